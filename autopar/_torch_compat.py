@@ -1,0 +1,97 @@
+"""Every private torch API autopar touches, in one place, so a torch upgrade breaks here and nowhere else."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def device_mesh_without_backend(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh that never initializes a process group (for planning only)."""
+    try:
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False, _rank=0)
+    except TypeError:  # older torch without the _rank keyword
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+
+
+def fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+@contextlib.contextmanager
+def annotate_modules(root: torch.nn.Module, key: str = "autopar_module") -> Iterator[None]:
+    """Tag every traced node (forward and backward) with the FQN of the module that produced it."""
+    stack: list[Any] = []
+    handles = []
+
+    def pre(name):
+        def hook(mod, args, kwargs=None):
+            cm = fx_traceback.annotate({key: name})
+            cm.__enter__()
+            stack.append(cm)
+        return hook
+
+    def post(mod, args, out):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for name, mod in root.named_modules():
+        handles.append(mod.register_forward_pre_hook(pre(name)))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+
+def node_module(node: torch.fx.Node, key: str = "autopar_module") -> str | None:
+    return (node.meta.get("custom") or {}).get(key)
+
+
+def export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, args: tuple, kwargs: dict | None,
+                 decompositions: dict | None = None):
+    """Joint forward+backward ATen graph with input/output descriptors (params, grads, tangents)."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    return aot_export_joint_with_descriptors(stack, module, args, kwargs, decompositions=decompositions)
+
+
+def descriptor_kind(desc: Any) -> tuple[str, Any]:
+    """Classify an AOT input/output descriptor: ('param', fqn), ('buffer', fqn), ('input', idx), ('tangent', i),
+    ('loss', idx), ('grad_param', fqn), ('grad_input', idx) or ('other', desc)."""
+    name = type(desc).__name__
+    if name == "ParamAOTInput":
+        return "param", desc.target
+    if name == "BufferAOTInput":
+        return "buffer", desc.target
+    if name == "PlainAOTInput":
+        return "input", desc.idx
+    if name == "TangentAOTInput":
+        return "tangent", desc.output
+    if name == "PlainAOTOutput":
+        return "loss", desc.idx
+    if name == "GradAOTOutput":
+        inner_kind, inner = descriptor_kind(desc.grad_of)
+        return ("grad_param", inner) if inner_kind == "param" else ("grad_input", inner)
+    return "other", desc
+
+
+def functional_collectives():
+    import torch.distributed._functional_collectives as fc
+
+    return fc

@@ -1,0 +1,277 @@
+"""Capture one joint forward+backward ATen graph of a model and its loss under fake tensors.
+
+The graph's placeholders are parameters, buffers, user inputs and the loss tangent; its outputs are the loss
+and one gradient per parameter. Every node gets a stable name (module FQN + phase + op + ordinal) and a
+block index when it belongs to a repeated layer (an entry of an nn.ModuleList of identical blocks), so the
+planner can share decisions across layers.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar import _torch_compat as compat
+from autopar.errors import CaptureError
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass
+class Block:
+    """A repeated layer stack: `prefix.i` for i < count in the model, `captured` of them in the graph."""
+
+    prefix: str
+    count: int
+    captured: int
+
+
+@dataclasses.dataclass
+class Captured:
+    gm: fx.GraphModule
+    names: dict[fx.Node, str]
+    nodes: dict[str, fx.Node]
+    params: dict[str, fx.Node]
+    buffers: dict[str, fx.Node]
+    inputs: list[fx.Node]
+    tangents: list[fx.Node]
+    loss: fx.Node
+    grads: dict[str, fx.Node]
+    phase: dict[fx.Node, str]
+    module_of: dict[fx.Node, str]
+    block_of: dict[fx.Node, tuple[str, int]]
+    blocks: list[Block]
+    input_specs: list[tuple[tuple[int, ...], torch.dtype]]
+    param_specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    capture_seconds: float = 0.0
+
+    def name(self, node: fx.Node) -> str:
+        return self.names[node]
+
+    def block_relative(self, name: str) -> str:
+        for b in self.blocks:
+            name = re.sub(rf"(^|[/.]){re.escape(b.prefix)}\.\d+(?=[./]|$)", rf"\g<1>{b.prefix}.*", name)
+        return name
+
+    def compute_nodes(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
+
+
+class _LossWrapper(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, *args, **kwargs)
+        return _loss_from_output(out)
+
+
+def _loss_from_output(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.ndim == 0:
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss
+    raise ValueError("the model does not return a scalar loss: pass loss_fn=(output, *inputs, **kwargs) -> scalar, "
+                     "or give the model labels so it returns .loss")
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """ModuleLists of at least two structurally identical children (transformer layers)."""
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
+            sigs = {_structure(c) for c in mod}
+            if len(sigs) == 1:
+                found.append((name, mod))
+    return found
+
+
+def _structure(mod: nn.Module) -> tuple:
+    return (type(mod).__name__,
+            tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters()),
+            tuple((n, type(m).__name__) for n, m in mod.named_modules()))
+
+
+@contextlib.contextmanager
+def _fake_state(model: nn.Module, mode) -> Any:
+    """Swap every parameter and buffer for a fake CPU tensor of the same shape; restore on exit."""
+    saved = []
+    seen: dict[int, Any] = {}
+    with mode:
+        for mod in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(mod, kind)
+                for key, t in list(table.items()):
+                    if t is None:
+                        continue
+                    saved.append((table, key, t))
+                    if id(t) not in seen:
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                        if kind == "_parameters":
+                            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                        seen[id(t)] = fake
+                    table[key] = seen[id(t)]
+    try:
+        yield
+    finally:
+        for table, key, t in saved:
+            table[key] = t
+
+
+@contextlib.contextmanager
+def _truncated(model: nn.Module, keep: int | None):
+    blocks = find_blocks(model)
+    saved = []
+    if keep is not None:
+        for _, ml in blocks:
+            if len(ml) > keep:
+                saved.append((ml, dict(ml._modules)))
+                ml._modules = {str(i): ml._modules[str(i)] for i in range(keep)}
+    try:
+        yield blocks
+    finally:
+        for ml, mods in saved:
+            ml._modules = mods
+
+
+def _to_fake_input(x: Any, mode) -> Any:
+    if isinstance(x, torch.Tensor):
+        with mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+    return x
+
+
+def _decompositions() -> dict:
+    from torch._decomp import get_decompositions
+
+    # Loss reductions become sum / count so a sharded batch reduces exactly (uneven ignore_index too).
+    aten = torch.ops.aten
+    return get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
+                               aten.nll_loss2d_backward])
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+            loss_fn: LossFn | None = None, *, template_layers: int | None = None) -> Captured:
+    """Trace model+loss into a joint graph. With `template_layers=k`, repeated layer stacks are cut to k
+    layers during the trace (the planner scales their costs back up), so capture time does not grow with depth."""
+    t0 = time.perf_counter()
+    kwargs = dict(example_kwargs or {})
+    mode = compat.fake_tensor_mode()
+    wrapper = _LossWrapper(model, loss_fn)
+    with _truncated(model, template_layers) as blocks, _fake_state(model, mode):
+        args = tuple(_to_fake_input(a, mode) for a in example_inputs)
+        kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
+        try:
+            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model):
+                joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions())
+                gm = joint.graph_module
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - report where in the user's model tracing failed
+            raise CaptureError.from_exception(e) from e
+    block_list = [Block(name, count=len(ml), captured=min(len(ml), template_layers or len(ml))) for name, ml in blocks]
+    cap = _describe(gm, block_list)
+    cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
+    cap.capture_seconds = time.perf_counter() - t0
+    return cap
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len("model."):] if fqn.startswith("model.") else fqn
+
+
+def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
+    params, buffers, inputs, tangents, grads = {}, {}, [], [], {}
+    param_specs = {}
+    loss = None
+    names: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, what = compat.descriptor_kind(node.meta.get("desc"))
+            if kind == "param":
+                params[_strip(what)] = node
+                names[node] = f"param/{_strip(what)}"
+                param_specs[_strip(what)] = (tuple(node.meta["val"].shape), node.meta["val"].dtype)
+            elif kind == "buffer":
+                buffers[_strip(what)] = node
+                names[node] = f"buffer/{_strip(what)}"
+            elif kind == "input":
+                inputs.append(node)
+                names[node] = f"input/{len(inputs) - 1}"
+            elif kind == "tangent":
+                tangents.append(node)
+                names[node] = f"tangent/{len(tangents) - 1}"
+            else:
+                raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for value, desc in zip(out.args[0], out.meta.get("desc", [])):
+        kind, what = compat.descriptor_kind(desc)
+        if kind == "loss":
+            loss = value
+        elif kind == "grad_param" and value is not None:
+            grads[_strip(what)] = value
+    if loss is None:
+        raise CaptureError("the traced graph has no loss output")
+    module_of, phase = _attribute(gm)
+    counts: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = node.target.__name__ if callable(node.target) else str(node.target)
+        op = op.split(".")[0] if op != "getitem" else "getitem"
+        base = f"{module_of[node] or 'root'}/{phase[node]}/{op}"
+        k = counts[base]
+        counts[base] += 1
+        names[node] = base if k == 0 else f"{base}#{k}"
+    block_of = {}
+    for node, mod in module_of.items():
+        for b in blocks:
+            m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)(\.|$)", mod or "")
+            if m:
+                block_of[node] = (b.prefix, int(m.group(1)))
+    cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
+                   inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
+                   block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs)
+    return cap
+
+
+def _attribute(gm: fx.GraphModule) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
+    """Module FQN and phase per compute node; unannotated nodes (gradient accumulation) take the longest
+    common module prefix of their inputs."""
+    module_of: dict[fx.Node, str] = {}
+    phase: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tag = node.meta.get("partitioner_tag")
+        phase[node] = "bwd" if tag == "is_backward" or node.meta.get("autograd_backward") else "fwd"
+        mod = compat.node_module(node)
+        if mod is None:
+            srcs = [module_of[a] for a in node.all_input_nodes if a in module_of and module_of[a]]
+            mod = _common_prefix(srcs) if srcs else ""
+        module_of[node] = _strip(mod)
+    return module_of, phase
+
+
+def _common_prefix(mods: list[str]) -> str:
+    parts = [m.split(".") for m in mods]
+    out = []
+    for seg in zip(*parts):
+        if len(set(seg)) != 1:
+            break
+        out.append(seg[0])
+    return ".".join(out)
