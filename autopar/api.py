@@ -1,0 +1,60 @@
+"""The one place that composes capture -> passes -> codegen -> runtime."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import capture
+from autopar.config import Config
+from autopar.cost import CPU_DEFAULT, GPU_DEFAULT, get_hardware
+from autopar.cost.memory import TrainingPrecision
+from autopar.mesh import mesh_spec
+from autopar.plan import Plan
+from autopar.progress import Progress
+
+
+def _precision(config: Config, device_type: str) -> TrainingPrecision:
+    if config.mixed_precision == "bf16" or (config.mixed_precision is None and device_type != "cpu"):
+        return GPU_DEFAULT
+    if config.mixed_precision in (None, "fp32"):
+        return CPU_DEFAULT
+    raise ValueError(f"unknown mixed_precision {config.mixed_precision!r}; use 'bf16', 'fp32' or None")
+
+
+def make_context(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                 loss_fn: Callable | None, config: Config | None, *, template_layers: int | None, progress=None):
+    from autopar.passes.context import PassContext
+
+    config = config or Config()
+    spec = mesh_spec(mesh, dict(config.links) if config.links else None)
+    device = config.device or ("cpu" if spec.device_type == "cpu" else "h100")
+    hw = get_hardware(device)
+    limit = int(config.memory_limit_gb * 2**30) if config.memory_limit_gb is not None else int(hw.memory_bytes)
+    if progress:
+        progress.update("capturing the joint forward+backward graph")
+    cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers)
+    return PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=_precision(config, spec.device_type),
+                       memory_limit=limit, progress=progress)
+
+
+def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, example_kwargs: dict | None = None,
+         loss_fn: Callable | None = None, config: Config | None = None) -> Plan:
+    """Capture the model's training step and choose a placement per op; returns an inspectable Plan.
+
+    Repeated layers are captured as a short template (Config.template_layers, default 2) and scaled to the
+    model's depth, so planning time does not grow with depth."""
+    from autopar.passes import run_passes
+
+    config = config or Config()
+    tl = config.template_layers if config.template_layers is not None else 2
+    with Progress(enabled=config.solver.show_progress, what="planning") as prog:
+        ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=tl,
+                           progress=prog)
+        run_passes(ctx.captured.gm, ctx)
+    p = ctx.plan
+    p.solver_stats["capture_seconds"] = ctx.captured.capture_seconds
+    p.context = ctx
+    return p

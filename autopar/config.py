@@ -1,0 +1,46 @@
+"""User-facing configuration: frozen keyword-only dataclasses."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverConfig:
+    """Knobs of the integer program. `time_limit_s` is deterministic solver time, so plans are reproducible."""
+
+    time_limit_s: float = 60.0
+    seed: int = 0
+    workers: int = 1
+    # Extra passes when the simulated peak memory exceeds the limit the ILP's linear estimate respected.
+    memory_refinements: int = 3
+    show_progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """How to plan. Every field left as None is inferred from the mesh (see `resolve`).
+
+    device: hardware table entry ("h100", "h200", "a100", "cpu").
+    links: link kind per mesh axis name ("nvlink", "ib", "pcie", "loopback").
+    memory_limit_gb: per-rank memory budget; defaults to the device's memory.
+    pins: {fqn glob: placements tuple in mesh_dim_names order} fixing parameters (storage and use), or
+          {"act:<block-relative node glob>": placements} fixing activations (e.g. sequence parallel recipes).
+    input_placements: {input index: placements} fixing how inputs are split.
+    mixed_precision: "bf16" computes in bfloat16 with fp32 master weights; None computes in the params' dtype.
+    template_layers: capture this many layers of each repeated stack and scale costs to the full depth
+                     (None: capture the whole model).
+    """
+
+    device: str | None = None
+    links: Mapping[str, str] | None = None
+    memory_limit_gb: float | None = None
+    pins: Mapping[str, tuple] | None = None
+    input_placements: Mapping[int, tuple] | None = None
+    solver_time_limit_s: float | None = None
+    mixed_precision: str | None = None
+    template_layers: int | None = None
+    solver: SolverConfig = SolverConfig()
+
+    def with_(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)

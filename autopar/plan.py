@@ -1,0 +1,213 @@
+"""The Plan: plain data saying, per node and parameter, which layout the solver chose and what it costs.
+
+Keyed by stable node names and parameter FQNs (block-relative, `layers.*.`, for repeated layers), never by
+live fx nodes, so a plan can be saved, edited, loaded and applied to a fresh capture of the same model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import re
+from typing import Any
+
+from torch.distributed.tensor import Placement
+
+from autopar.layout import fmt_layout, parse_layout
+from autopar.mesh import MeshSpec
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class NodePlan:
+    """The chosen strategy of one node: input layouts (one per tensor input; None for non-tensors), output
+    layouts, its compute time under that strategy, and the runner-up alternatives for explain()."""
+
+    op: str
+    ins: list[tuple[Placement, ...] | None]
+    outs: list[tuple[Placement, ...]]
+    compute_s: float = 0.0
+    count: float = 1.0
+    alternatives: list[dict] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "ins": [fmt_layout(i) if i is not None else None for i in self.ins],
+                "outs": [fmt_layout(o) for o in self.outs], "compute_s": _r(self.compute_s), "count": self.count,
+                "alternatives": self.alternatives}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "NodePlan":
+        return cls(d["op"], [parse_layout(i) if i is not None else None for i in d["ins"]],
+                   [parse_layout(o) for o in d["outs"]], d.get("compute_s", 0.0), d.get("count", 1.0),
+                   d.get("alternatives", []))
+
+
+@dataclasses.dataclass
+class Transition:
+    """A layout change on a graph edge and the collectives that implement it."""
+
+    src: str
+    dst: str
+    arg: int
+    src_layout: tuple[Placement, ...]
+    dst_layout: tuple[Placement, ...]
+    steps: str
+    cost_s: float
+    count: float = 1.0
+    kind: str = "activation"  # activation | param | grad
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "arg": self.arg, "from": fmt_layout(self.src_layout),
+                "to": fmt_layout(self.dst_layout), "steps": self.steps, "cost_s": _r(self.cost_s),
+                "count": self.count, "kind": self.kind}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Transition":
+        return cls(d["src"], d["dst"], d["arg"], parse_layout(d["from"]), parse_layout(d["to"]), d["steps"],
+                   d["cost_s"], d.get("count", 1.0), d.get("kind", "activation"))
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+@dataclasses.dataclass
+class Plan:
+    mesh: MeshSpec
+    device: str
+    nodes: dict[str, NodePlan]
+    params: dict[str, tuple[Placement, ...]]
+    inputs: list[tuple[Placement, ...] | None]
+    transitions: list[Transition]
+    estimated_step_time: float
+    peak_memory_per_rank: int
+    cost_breakdown: dict[str, float]
+    memory_breakdown: dict[str, int]
+    fingerprint: str
+    blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    param_numel: dict[str, int] = dataclasses.field(default_factory=dict)
+    memory_limit: int = 0
+    solver_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    # --- lookup -----------------------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        """Plan key of a node name or parameter FQN: block indices become `*`."""
+        for prefix in self.blocks:
+            name = re.sub(rf"(^|[/.]){re.escape(prefix)}\.\d+(?=[./]|$)", rf"\g<1>{prefix}.*", name)
+        return name
+
+    def node(self, name: str) -> NodePlan:
+        return self.nodes[self.key(name)]
+
+    def param_layout(self, fqn: str) -> tuple[Placement, ...]:
+        return self.params[self.key(fqn)]
+
+    def param_placements(self, fqns: list[str] | None = None) -> dict[str, tuple[Placement, ...]]:
+        """{fqn: placements in mesh_dim_names order}; with the model's FQNs, block patterns are expanded."""
+        if fqns is None:
+            fqns = self._expanded_fqns()
+        return {f: self.param_layout(f) for f in fqns}
+
+    def _expanded_fqns(self) -> list[str]:
+        out = []
+        for key in self.params:
+            m = next(((p, c) for p, c in self.blocks.items() if f"{p}.*." in key), None)
+            if m is None:
+                out.append(key)
+            else:
+                out.extend(key.replace(f"{m[0]}.*.", f"{m[0]}.{i}.") for i in range(m[1]))
+        return out
+
+    @property
+    def techniques(self) -> frozenset[str]:
+        from autopar.inspect import techniques
+
+        return techniques(self)
+
+    # --- inspection (implemented in autopar.inspect) -----------------------------------------------------
+    def __str__(self) -> str:
+        from autopar.inspect import format_plan
+
+        return format_plan(self)
+
+    def summary(self) -> str:
+        from autopar.inspect import format_summary
+
+        return format_summary(self)
+
+    def explain(self, name: str) -> str:
+        from autopar.inspect import explain
+
+        return explain(self, name)
+
+    def diff(self, other: "Plan") -> str:
+        from autopar.inspect import diff
+
+        return diff(self, other)
+
+    # --- serialization ------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {
+            "format": "autopar.plan", "version": self.version, "mesh": self.mesh.to_json(), "device": self.device,
+            "fingerprint": self.fingerprint, "blocks": self.blocks,
+            "estimated_step_time": _r(self.estimated_step_time), "peak_memory_per_rank": self.peak_memory_per_rank,
+            "memory_limit": self.memory_limit,
+            "cost_breakdown": {k: _r(v) for k, v in sorted(self.cost_breakdown.items())},
+            "memory_breakdown": dict(sorted(self.memory_breakdown.items())),
+            "params": {k: fmt_layout(v) for k, v in sorted(self.params.items())},
+            "param_numel": dict(sorted(self.param_numel.items())),
+            "inputs": [fmt_layout(i) if i is not None else None for i in self.inputs],
+            "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
+            "transitions": [t.to_json() for t in self.transitions],
+            "solver": {k: v for k, v in sorted(self.solver_stats.items()) if k not in _VOLATILE},
+        }
+        return json.dumps(d, indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        from autopar.errors import PlanMismatchError
+
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanMismatchError(f"the plan file is not valid JSON ({e}); save it again with plan.to_json()") from e
+        if not isinstance(d, dict) or d.get("format") != "autopar.plan":
+            raise PlanMismatchError("this is not an autopar plan file (no 'format': 'autopar.plan' field)")
+        if d.get("version") != FORMAT_VERSION:
+            raise PlanMismatchError(f"plan format version {d.get('version')} is not supported (this autopar reads "
+                                    f"version {FORMAT_VERSION}); re-plan with autopar.plan(...)")
+        try:
+            return cls(
+                mesh=MeshSpec.from_json(d["mesh"]), device=d["device"],
+                nodes={k: NodePlan.from_json(v) for k, v in d["nodes"].items()},
+                params={k: parse_layout(v) for k, v in d["params"].items()},
+                inputs=[parse_layout(i) if i is not None else None for i in d["inputs"]],
+                transitions=[Transition.from_json(t) for t in d["transitions"]],
+                estimated_step_time=d["estimated_step_time"], peak_memory_per_rank=d["peak_memory_per_rank"],
+                cost_breakdown=d["cost_breakdown"], memory_breakdown=d["memory_breakdown"],
+                fingerprint=d["fingerprint"], blocks=d.get("blocks", {}), param_numel=d.get("param_numel", {}),
+                memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
+                                    "re-plan or restore the file") from e
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def pinned(self, pattern: str) -> dict[str, tuple[Placement, ...]]:
+        return {k: v for k, v in self.params.items() if fnmatch.fnmatch(k, pattern)}
+
+
+_VOLATILE = {"seconds", "build_seconds", "solve_seconds", "capture_seconds", "wall_time"}

@@ -1,0 +1,124 @@
+"""The steps that turn one layout into another: collectives and local slices, per mesh axis.
+
+The planner prices these steps and codegen emits exactly them, so the cost model and the generated program
+never disagree. Layouts nest in mesh order: when two axes shard the same tensor dim, the lower axis splits
+first (outer chunks), as DTensor does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autopar.layout import fmt
+
+R = Replicate()
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One per-axis change. kind: all_gather | all_reduce | reduce_scatter | all_to_all (communication),
+    chunk | partialize | rescale (local). `dim`/`dst_dim` are tensor dims; `op` a reduce op."""
+
+    kind: str
+    axis: int
+    dim: int | None = None
+    dst_dim: int | None = None
+    op: str | None = None
+    factor: float | None = None
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+    def describe(self, axis_names: Sequence[str]) -> str:
+        ax = axis_names[self.axis]
+        if self.kind == "all_to_all":
+            return f"all_to_all[{ax}] S({self.dim})->S({self.dst_dim})"
+        if self.kind in ("all_gather", "chunk"):
+            return f"{self.kind}[{ax}] dim {self.dim}"
+        if self.kind == "reduce_scatter":
+            return f"reduce_scatter[{ax}] dim {self.dim}"
+        return f"{self.kind}[{ax}]"
+
+
+def _shards_dim(layout: Sequence[Placement], dim: int, after: int) -> list[int]:
+    return [b for b in range(after + 1, len(layout)) if isinstance(layout[b], Shard) and layout[b].dim == dim]
+
+
+def _dims_of(p: Placement) -> list[int]:
+    return [p.dim] if isinstance(p, Shard) else []
+
+
+def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
+    """Steps from `src` to `dst` (one placement per mesh axis). Partial-to-Shard uses reduce_scatter and
+    Shard-to-Shard all_to_all when the nesting allows it; otherwise a dim is gathered and re-chunked."""
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
+        return []
+    n = len(src)
+    # Axes to go through (or directly to) their target: changed axes, plus later axes that shard a dim an
+    # earlier changed axis touches (they nest inside it and must be undone first).
+    touch = {a for a in range(n) if src[a] != dst[a]}
+    changed = True
+    while changed:
+        changed = False
+        for a in sorted(touch):
+            for d in _dims_of(src[a]) + _dims_of(dst[a]):
+                for b in _shards_dim(src, d, a) + _shards_dim(dst, d, a):
+                    if b not in touch:
+                        touch.add(b)
+                        changed = True
+    cur = list(src)
+    steps: list[Step] = []
+    for a in sorted(touch, reverse=True):
+        s, t = cur[a], dst[a]
+        if isinstance(s, Shard):
+            later = [b for b in range(a + 1, n) if b in touch or isinstance(cur[b], Shard)]
+            nested = any(isinstance(cur[b], Shard) and cur[b].dim in (s.dim, getattr(t, "dim", -1)) for b in later)
+            if isinstance(t, Shard) and t.dim != s.dim and not nested and not _shards_dim(dst, t.dim, a):
+                steps.append(Step("all_to_all", a, s.dim, t.dim))
+                cur[a] = t
+            else:
+                steps.append(Step("all_gather", a, s.dim))
+                cur[a] = R
+        elif isinstance(s, Partial):
+            if isinstance(t, Partial):
+                steps.append(_rescale(a, s, t))
+                cur[a] = t
+            elif isinstance(t, Shard) and not any(isinstance(cur[b], Shard) and cur[b].dim == t.dim
+                                                  for b in range(a + 1, n)) and not _shards_dim(dst, t.dim, a):
+                steps.append(Step("reduce_scatter", a, t.dim, op=s.reduce_op))
+                cur[a] = t
+            else:
+                steps.append(Step("all_reduce", a, op=s.reduce_op))
+                cur[a] = R
+    for a in range(n):
+        if cur[a] == dst[a]:
+            continue
+        assert isinstance(cur[a], Replicate), (src, dst, cur)
+        t = dst[a]
+        if isinstance(t, Shard):
+            steps.append(Step("chunk", a, t.dim))
+        else:
+            steps.append(Step("partialize", a, op=t.reduce_op))
+        cur[a] = t
+    return steps
+
+
+def _rescale(axis: int, s: Partial, t: Partial) -> Step:
+    # A sum-partial holds values whose sum is the tensor; an avg-partial values whose mean is.
+    if s.reduce_op == "avg" and t.reduce_op == "sum":
+        return Step("rescale", axis, op="avg_to_sum")
+    if s.reduce_op == "sum" and t.reduce_op == "avg":
+        return Step("rescale", axis, op="sum_to_avg")
+    raise ValueError(f"cannot convert Partial({s.reduce_op}) to Partial({t.reduce_op})")
+
+
+def describe_steps(steps: Sequence[Step], axis_names: Sequence[str]) -> str:
+    return "; ".join(s.describe(axis_names) for s in steps) or "none"
+
+
+def layout_str(layout: Sequence[Placement]) -> str:
+    return ",".join(fmt(p) for p in layout)

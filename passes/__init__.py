@@ -1,0 +1,51 @@
+"""The compiler pipeline: passes `(gm, ctx) -> gm`, run in order by `run_passes`."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.fx as fx
+
+from autopar.passes.context import PassContext
+from autopar.passes.annotate_shapes import annotate_shapes_pass
+from autopar.passes.enumerate_strategies import enumerate_strategies_pass
+from autopar.passes.estimate_costs import estimate_costs_pass
+from autopar.passes.solve_placements import solve_placements_pass
+from autopar.passes.simulate_step import simulate_step_pass
+from autopar.passes.build_plan import build_plan_pass
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+# Order and why:
+#  annotate_shapes first: every later pass reads node keys, phases and saved-for-backward sets from it;
+#  enumerate_strategies before estimate_costs: costs are priced per enumerated strategy;
+#  solve_placements needs the priced strategies and edges;
+#  simulate_step needs the chosen strategies (it re-prices the step with overlap and liveness);
+#  build_plan last: it packages choices and simulated figures into the Plan.
+PASSES: tuple[Pass, ...] = (
+    annotate_shapes_pass,
+    enumerate_strategies_pass,
+    estimate_costs_pass,
+    solve_placements_pass,
+    simulate_step_pass,
+    build_plan_pass,
+)
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: tuple[Pass, ...] = PASSES) -> fx.GraphModule:
+    done: list[str] = []
+    for p in passes:
+        t0 = time.perf_counter()
+        try:
+            gm = p(gm, ctx)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise PassError(f"pass {p.__name__} failed after {done or 'no passes'}: {type(e).__name__}: {e}") from e
+        ctx.timings[p.__name__] = time.perf_counter() - t0
+        done.append(p.__name__)
+    return gm

@@ -1,0 +1,187 @@
+"""Give every node its plan key, repeat count and role, and list the graph's data edges.
+
+Nodes of identical repeated layers share one key (`layers.*./...`), so the solver decides once per layer
+kind. With a template capture (k of L layers traced) counts scale costs back to L layers: nodes inside a
+layer count L/k, edges between two layers (L-1)/(k-1).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.fx as fx
+
+from autopar.passes.context import Edge, PassContext
+from autopar.rules.base import flat_tensor_args, op_info
+
+
+def annotate_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cap = ctx.captured
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function") and not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple)):
+            raise ValueError(f"node {cap.names.get(node, node.name)} has no recorded tensor value; "
+                             "capture must run under fake tensors")
+    _assign_keys(gm, ctx)
+    _roles(gm, ctx)
+    _edges(gm, ctx)
+    return gm
+
+
+def _scale(ctx: PassContext, node: fx.Node) -> tuple[str, float]:
+    """('in', L/k) inside a layer, ('between', (L-1)/(k-1)) on glue between layers, ('out', 1) elsewhere."""
+    cap = ctx.captured
+    if node in cap.block_of:
+        prefix, _ = cap.block_of[node]
+        b = next(b for b in cap.blocks if b.prefix == prefix)
+        return "in", b.count / b.captured
+    name = cap.names.get(node, "")
+    mod = cap.module_of.get(node, "")
+    if node.op == "placeholder":
+        fqn = name.split("/", 1)[-1]
+        for b in cap.blocks:
+            if fqn.startswith(b.prefix + "."):
+                return "in", b.count / b.captured
+    for b in cap.blocks:
+        if mod == b.prefix and b.captured > 1:
+            return "between", (b.count - 1) / (b.captured - 1)
+    return "out", 1.0
+
+
+def _signature(node: fx.Node) -> tuple:
+    if node.op == "placeholder":
+        return ("placeholder", tuple(node.meta["val"].shape), node.meta["val"].dtype)
+    info = op_info(node) if node.target is not getattr(__import__("operator"), "getitem") else None
+    if info is None:
+        return ("getitem", node.args[1])
+    return (str(node.target), tuple(m.shape for m in info.inputs), tuple(o.shape if o else None for o in info.outputs),
+            repr(tuple(a for a in info.args if not hasattr(a, "shape"))))
+
+
+def _assign_keys(gm: fx.GraphModule, ctx: PassContext) -> None:
+    cap = ctx.captured
+    groups: dict[str, list[fx.Node]] = collections.defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        name = cap.names[node]
+        groups[cap.block_relative(name)].append(node)
+    for key, nodes in groups.items():
+        sigs = {_signature(n) for n in nodes}
+        if len(sigs) == 1:
+            ctx.members[key] = nodes
+        else:  # layers that differ (rare): decide each instance separately
+            for n in nodes:
+                ctx.members[cap.names[n]] = [n]
+    for key, nodes in ctx.members.items():
+        total = 0.0
+        for n in nodes:
+            ctx.key[n] = key
+            total += _scale(ctx, n)[1]
+        ctx.node_count[key] = total
+
+
+def _roles(gm: fx.GraphModule, ctx: PassContext) -> None:
+    cap = ctx.captured
+    params = set(cap.params.values()) | set(cap.buffers.values())
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ins = node.all_input_nodes
+        if ins and all(a in params or a in ctx.param_derived for a in ins) and cap.phase[node] == "fwd":
+            ctx.param_derived.add(node)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and cap.phase[node] == "fwd" and node not in ctx.param_derived:
+            if any(u.op == "call_function" and cap.phase[u] == "bwd" for u in node.users):
+                ctx.saved.add(ctx.key[_view_base(node, ctx)])
+
+
+def producer(node: fx.Node) -> tuple[fx.Node, int]:
+    """The node that computes a value, looking through tuple getitem."""
+    import operator
+
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0], int(node.args[1])
+    return node, 0
+
+
+def _edge_scale(ctx: PassContext, u: fx.Node, v: fx.Node) -> float:
+    (ku, su), (kv, sv) = _scale(ctx, u), _scale(ctx, v)
+    cap = ctx.captured
+    if ku == "in" and kv == "in":
+        if u.op == "placeholder" or cap.block_of.get(u) == cap.block_of.get(v):
+            return sv
+        prefix = cap.block_of[u][0]
+        b = next(b for b in cap.blocks if b.prefix == prefix)
+        return (b.count - 1) / max(b.captured - 1, 1)
+    if "between" in (ku, kv):
+        return su if ku == "between" else sv
+    return 1.0
+
+
+def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
+    import operator
+
+    cap = ctx.captured
+    acc: dict[tuple, list] = {}
+
+    def add(u: fx.Node, out: int, v_key: str, arg: int, count: float, kind: str, meta) -> None:
+        k = (ctx.key[u], out, v_key, arg, kind)
+        if k in acc:
+            acc[k][0] += count
+        else:
+            acc[k] = [count, meta]
+
+    for v in gm.graph.nodes:
+        if v.op != "call_function" or v.target is operator.getitem:
+            continue
+        info = op_info(v)
+        for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
+                              if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
+            u, out = producer(a)
+            kind = "param" if u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values()) else "activation"
+            count = _edge_scale(ctx, u, v)
+            if kind == "param" and v in ctx.param_derived and _feeds_backward(v, ctx):
+                count *= 2  # FSDP-style: gathered again in backward instead of being kept alive
+            add(u, out, ctx.key[v], i, count, kind, info.inputs[i])
+    for fqn, g in cap.grads.items():
+        u, out = producer(g)
+        pnode = cap.params[fqn]
+        add(u, out, ctx.key[pnode], -1, _scale(ctx, pnode)[1], "grad", _tensor_meta(pnode))
+    u, out = producer(cap.loss)
+    add(u, out, "<loss>", -1, 1.0, "loss", _tensor_meta(cap.loss))
+    ctx.edges = [Edge(src, out, dst, arg, count, kind, meta)
+                 for (src, out, dst, arg, kind), (count, meta) in acc.items()]
+
+
+def _feeds_backward(node: fx.Node, ctx: PassContext) -> bool:
+    phase = ctx.captured.phase
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op != "call_function" or u in seen:
+                continue
+            seen.add(u)
+            if phase[u] == "bwd":
+                return True
+            if u in ctx.param_derived:
+                stack.append(u)
+    return False
+
+
+def _tensor_meta(node: fx.Node):
+    from autopar.rules.base import TensorMeta
+
+    v = node.meta["val"]
+    return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+
+
+def _view_base(node: fx.Node, ctx: PassContext) -> fx.Node:
+    """A saved view keeps its base alive: count the base's memory, once."""
+    from autopar.cost.compute import VIEW_OPS
+
+    while (node.op == "call_function" and getattr(node.target, "overloadpacket", None) in VIEW_OPS
+           and node.all_input_nodes and node.all_input_nodes[0].op == "call_function"
+           and node.all_input_nodes[0] not in ctx.param_derived):
+        node = node.all_input_nodes[0]
+    return node

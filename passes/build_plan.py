@@ -1,0 +1,100 @@
+"""Package the solver's choices and the simulated step into a Plan (plain data, JSON-ready)."""
+from __future__ import annotations
+
+import hashlib
+import operator
+
+import torch.fx as fx
+
+from autopar.passes.context import PassContext
+from autopar.passes.estimate_costs import transition_cost, compute_dtype
+from autopar.plan import NodePlan, Plan, Transition
+from autopar.redistribute import describe_steps, plan_steps
+from autopar.layout import fmt_layout
+
+N_ALTERNATIVES = 4
+
+
+def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cap = ctx.captured
+    sim = ctx.simulation
+    alt = _alternatives(ctx)
+    nodes = {}
+    for key, strats in ctx.strategies.items():
+        node = ctx.members[key][0]
+        s = ctx.chosen(key)
+        op = key.split("/", 1)[0] if node.op == "placeholder" else str(node.target)
+        nodes[key] = NodePlan(op=op, ins=list(s.ins), outs=list(s.outs),
+                              compute_s=ctx.compute_cost[key][ctx.choice[key]], count=ctx.node_count[key],
+                              alternatives=alt.get(key, []))
+    params = {ctx.key[node].split("/", 1)[1]: ctx.chosen(ctx.key[node]).outs[0] for node in cap.params.values()}
+    inputs = [ctx.chosen(ctx.key[n]).outs[0] for n in cap.inputs]
+    transitions = []
+    for e, c in zip(ctx.edges, ctx.edge_cost):
+        a = c.src_index[ctx.choice[e.src]]
+        b = 0 if c.dst_index is None else c.dst_index[ctx.choice[e.dst]]
+        src, dst = c.src_layouts[a], c.dst_layouts[b]
+        if src == dst:
+            continue
+        transitions.append(Transition(e.src, e.dst, e.arg, src, dst,
+                                      describe_steps(plan_steps(src, dst), ctx.mesh.axis_names), c.cost[a][b],
+                                      e.count, e.kind))
+    blocks = {b.prefix: b.count for b in cap.blocks}
+    numel = {}
+    for fqn, node in cap.params.items():
+        n = 1
+        for s in node.meta["val"].shape:
+            n *= int(s)
+        numel[ctx.key[node].split("/", 1)[1]] = n
+    ctx.plan = Plan(
+        mesh=ctx.mesh, device=ctx.hw.name, nodes=nodes, params=params, inputs=inputs, transitions=transitions,
+        estimated_step_time=sim.step_time, peak_memory_per_rank=sim.peak_memory,
+        cost_breakdown={"compute_s": sim.compute_time, "comm_s": sim.comm_time, "exposed_comm_s": sim.exposed_comm,
+                        "optimizer_s": sim.optimizer_time, **{f"comm[{k}]_s": v for k, v in sim.comm_by_axis.items()}},
+        memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
+        memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats))
+    ctx.plan.simulation = sim
+    return gm
+
+
+def fingerprint(ctx: PassContext) -> str:
+    """Identity of model + inputs + mesh: the ops and shapes behind every plan key."""
+    h = hashlib.sha256()
+    for key in sorted(ctx.members):
+        node = ctx.members[key][0]
+        v = node.meta.get("val")
+        shape = tuple(v.shape) if hasattr(v, "shape") else None
+        h.update(f"{key}|{node.target}|{shape}\n".encode())
+    h.update(repr(sorted((b.prefix, b.count) for b in ctx.captured.blocks)).encode())
+    h.update(repr(ctx.mesh.shape).encode())
+    return h.hexdigest()[:16]
+
+
+def _alternatives(ctx: PassContext) -> dict[str, list[dict]]:
+    """Per key, what each other strategy would cost with every other choice held fixed."""
+    incident: dict[str, list] = {}
+    for e, c in zip(ctx.edges, ctx.edge_cost):
+        incident.setdefault(e.src, []).append((e, c, "src"))
+        if c.dst_index is not None:
+            incident.setdefault(e.dst, []).append((e, c, "dst"))
+    out = {}
+    for key, strats in ctx.strategies.items():
+        if len(strats) < 2:
+            continue
+        rows = []
+        for i, s in enumerate(strats):
+            t = ctx.compute_cost[key][i]
+            for e, c, side in incident.get(key, []):
+                if e.src == e.dst:
+                    t += c.cost[c.src_index[i]][c.dst_index[i]]
+                elif side == "src":
+                    b = 0 if c.dst_index is None else c.dst_index[ctx.choice[e.dst]]
+                    t += c.cost[c.src_index[i]][b]
+                else:
+                    t += c.cost[c.src_index[ctx.choice[e.src]]][c.dst_index[i]]
+            mem = ctx.memory_cost.get(key, [0] * len(strats))[i]
+            rows.append({"strategy": str(s), "time_s": float(f"{t:.6g}"), "memory_bytes": int(mem),
+                         "chosen": i == ctx.choice[key]})
+        rows.sort(key=lambda r: (not r["chosen"], r["time_s"], r["memory_bytes"]))
+        out[key] = rows[:N_ALTERNATIVES + 1]
+    return out

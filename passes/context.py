@@ -1,0 +1,60 @@
+"""State shared by the passes of one compilation."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.capture import Captured
+from autopar.config import Config
+from autopar.mesh import MeshSpec
+from autopar.strategy import NodeStrategy
+
+
+@dataclasses.dataclass
+class Edge:
+    """Producer output `out` of variable `src` feeds tensor input `arg` of variable `dst`, `count` times."""
+
+    src: str
+    out: int
+    dst: str
+    arg: int
+    count: float
+    kind: str  # activation | param | grad
+    meta: Any = None  # TensorMeta of the value on the edge
+
+
+@dataclasses.dataclass
+class PassContext:
+    captured: Captured
+    mesh: MeshSpec
+    config: Config
+    hw: Any
+    precision: Any
+    memory_limit: int
+    progress: Any = None
+    # annotate_shapes
+    key: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
+    members: dict[str, list[fx.Node]] = dataclasses.field(default_factory=dict)
+    node_count: dict[str, float] = dataclasses.field(default_factory=dict)
+    saved: set[str] = dataclasses.field(default_factory=set)
+    param_derived: set[fx.Node] = dataclasses.field(default_factory=set)
+    edges: list[Edge] = dataclasses.field(default_factory=list)
+    # enumerate_strategies
+    strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)
+    unknown_ops: set[str] = dataclasses.field(default_factory=set)
+    # estimate_costs
+    compute_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    edge_cost: list[Any] = dataclasses.field(default_factory=list)
+    memory_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # solve_placements
+    choice: dict[str, int] = dataclasses.field(default_factory=dict)
+    solver_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # simulate_step
+    simulation: Any = None
+    plan: Any = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def chosen(self, key: str) -> NodeStrategy:
+        return self.strategies[key][self.choice[key]]

@@ -1,0 +1,130 @@
+"""List every legal strategy per plan key: per-axis rules expanded over the mesh, uneven shards dropped,
+pins applied."""
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import operator
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar import rules
+from autopar.errors import NoStrategyError
+from autopar.layout import divides, fmt_layout
+from autopar.passes.context import PassContext
+from autopar.rules.base import op_info
+from autopar.strategy import NodeStrategy
+
+R = Replicate()
+
+
+def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cap = ctx.captured
+    sizes = ctx.mesh.shape
+    pins = _param_pins(ctx)
+    for key, nodes in ctx.members.items():
+        node = nodes[0]
+        if node.op == "call_function" and node.target is operator.getitem:
+            continue
+        if node.op == "placeholder":
+            strats = _placeholder_strategies(ctx, node, key, pins)
+        else:
+            strats = _op_strategies(ctx, node, sizes)
+        strats = _apply_act_pins(ctx, key, strats)
+        if not strats:
+            raise NoStrategyError(f"no legal placement for {key} ({node.target}) on mesh "
+                                  f"{dict(zip(ctx.mesh.axis_names, sizes))}: its shapes do not divide by the "
+                                  "mesh axes or the pins conflict; change the mesh shape or the pins")
+        ctx.strategies[key] = strats
+    if ctx.unknown_ops:
+        warnings.warn("autopar has no sharding rule for these ops; they run replicated: "
+                      + ", ".join(sorted(ctx.unknown_ops)), stacklevel=2)
+    return gm
+
+
+def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]:
+    info = op_info(node)
+    axis_strats, known = rules.axis_strategies(info)
+    if not known:
+        ctx.unknown_ops.add(str(node.target))
+    out: list[NodeStrategy] = []
+    seen = set()
+    for combo in itertools.product(axis_strats, repeat=len(sizes)):
+        ins = tuple(tuple(c.ins[i] for c in combo) for i in range(len(info.inputs)))
+        outs = tuple(tuple(c.outs[j] for c in combo) for j in range(len(info.outputs)))
+        if not all(divides(m.shape, lay, sizes) for m, lay in zip(info.inputs, ins)):
+            continue
+        if not all(m is None or divides(m.shape, lay, sizes) for m, lay in zip(info.outputs, outs)):
+            continue
+        s = NodeStrategy(ins, outs)
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def layouts_for(shape: tuple[int, ...], sizes, allow_nested: bool) -> list[tuple]:
+    """Every layout of a tensor: R or S(d) per axis, evenly dividing; nested (same dim on two axes) optional."""
+    per_axis = [R] + [Shard(d) for d in range(len(shape)) if shape[d] > 1]
+    result = []
+    for combo in itertools.product(per_axis, repeat=len(sizes)):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if not allow_nested and len(dims) != len(set(dims)):
+            continue
+        if divides(shape, combo, sizes):
+            result.append(tuple(combo))
+    return result
+
+
+def _placeholder_strategies(ctx: PassContext, node: fx.Node, key: str, pins) -> list[NodeStrategy]:
+    cap = ctx.captured
+    shape = tuple(int(s) for s in node.meta["val"].shape)
+    name = cap.names[node]
+    kind, _, what = name.partition("/")
+    if kind == "tangent":
+        return [NodeStrategy((), (tuple(R for _ in ctx.mesh.shape),))]
+    if kind == "input":
+        fixed = (ctx.config.input_placements or {}).get(int(what))
+        if fixed is not None:
+            return [NodeStrategy((), (_check_layout(fixed, shape, ctx, f"input {what}"),))]
+        # Inputs (token ids, labels) are cheap to slice any way, and a batch dim may span several axes.
+        return [NodeStrategy((), (lay,)) for lay in layouts_for(shape, ctx.mesh.shape, allow_nested=True)]
+    rel = cap.block_relative(what)
+    for pattern, lay in pins.items():
+        if fnmatch.fnmatch(what, pattern) or fnmatch.fnmatch(rel, pattern):
+            return [NodeStrategy((), (_check_layout(lay, shape, ctx, f"pin {pattern!r} on {what}"),))]
+    return [NodeStrategy((), (lay,)) for lay in layouts_for(shape, ctx.mesh.shape, allow_nested=False)]
+
+
+def _check_layout(lay, shape, ctx: PassContext, what: str) -> tuple:
+    lay = tuple(lay)
+    if len(lay) != len(ctx.mesh.shape):
+        raise ValueError(f"{what}: {len(lay)} placements given, the mesh has {len(ctx.mesh.shape)} axes "
+                         f"{ctx.mesh.axis_names}")
+    if not divides(shape, lay, ctx.mesh.shape):
+        raise ValueError(f"{what}: layout {fmt_layout(lay)} does not divide shape {list(shape)} evenly on mesh "
+                         f"{dict(zip(ctx.mesh.axis_names, ctx.mesh.shape))}")
+    return lay
+
+
+def _param_pins(ctx: PassContext) -> dict[str, tuple]:
+    return {k: v for k, v in (ctx.config.pins or {}).items() if not k.startswith("act:")}
+
+
+def _apply_act_pins(ctx: PassContext, key: str, strats: list[NodeStrategy]) -> list[NodeStrategy]:
+    for pattern, lay in (ctx.config.pins or {}).items():
+        if pattern.startswith("act:") and fnmatch.fnmatch(key, pattern[4:]):
+            lay = tuple(lay)
+            kept = [s for s in strats if s.outs and s.outs[0] == lay]
+            if not kept:
+                raise ValueError(f"pin {pattern!r}: no legal strategy of {key} outputs {fmt_layout(lay)}; "
+                                 f"legal outputs: {sorted({fmt_layout(s.outs[0]) for s in strats})}")
+            return kept
+    return strats
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)

@@ -1,0 +1,181 @@
+"""Price every strategy: compute time per node, collective time per edge layout pair, memory per rank."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from autopar.cost import collective_time, compute_time, link_spec, param_state_bytes, tensor_bytes
+from autopar.cost.compute import VIEW_OPS
+from autopar.layout import split_factor
+from autopar.passes.context import PassContext
+from autopar.redistribute import plan_steps
+from autopar.rules.base import OpInfo, TensorMeta, op_info
+
+R = Replicate()
+
+
+@dataclasses.dataclass
+class EdgeCost:
+    """Cost matrix of one edge over its distinct source and destination layouts."""
+
+    src_layouts: list[tuple]
+    dst_layouts: list[tuple]
+    cost: list[list[float]]  # [src][dst], seconds, already multiplied by the edge count
+    src_index: list[int]  # per source strategy: index into src_layouts
+    dst_index: list[int] | None  # per destination strategy (None: fixed destination, the loss)
+
+
+def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for key, strats in ctx.strategies.items():
+        node = ctx.members[key][0]
+        count = ctx.node_count[key]
+        if node.op == "placeholder":
+            ctx.compute_cost[key] = [0.0] * len(strats)
+            continue
+        info = as_compute(op_info(node), ctx)
+        base = compute_time(info, ctx.hw)
+        ctx.compute_cost[key] = [count * base / split_of(s, ctx.mesh.shape) for s in strats]
+    _memory(ctx)
+    ctx.edge_cost = [_edge_cost(ctx, e) for e in ctx.edges]
+    return gm
+
+
+def split_of(strategy, sizes) -> int:
+    """Ways the work of a node is divided: an axis divides it if any input or output is not replicated."""
+    layouts = [lay for lay in strategy.ins if lay is not None] + list(strategy.outs)
+    total = 1
+    for a, n in enumerate(sizes):
+        if any(not isinstance(lay[a], Replicate) for lay in layouts):
+            total *= n
+    return total
+
+
+def compute_dtype(dtype: torch.dtype, ctx: PassContext) -> torch.dtype:
+    cd = ctx.precision.compute_dtype
+    return cd if dtype.is_floating_point and cd is not None else dtype
+
+
+def as_compute(info: OpInfo, ctx: PassContext) -> OpInfo:
+    """The op as it runs under the configured compute precision (bf16 on GPU targets by default)."""
+    def conv(m):
+        return TensorMeta(m.shape, compute_dtype(m.dtype, ctx)) if isinstance(m, TensorMeta) else m
+
+    return OpInfo(info.target, tuple(conv(a) if not isinstance(a, (list, tuple)) else type(a)(conv(x) for x in a)
+                                     for a in info.args),
+                  {k: conv(v) for k, v in info.kwargs.items()}, tuple(conv(m) for m in info.inputs),
+                  tuple(conv(m) for m in info.outputs))
+
+
+def local_bytes(shape, dtype, layout, sizes) -> int:
+    n = math.prod(shape) if shape else 1
+    return tensor_bytes((n // split_factor_shard(layout, sizes),), dtype)
+
+
+def split_factor_shard(layout, sizes) -> int:
+    from torch.distributed.tensor import Shard
+
+    return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
+
+
+def _memory(ctx: PassContext) -> None:
+    """Persistent bytes (params, grads, optimizer state) and saved activation bytes, per strategy."""
+    sizes = ctx.mesh.shape
+    saved_outputs: dict[str, set[int]] = {}
+    for key in ctx.saved:
+        node = ctx.members[key][0]
+        if node.op == "call_function" and node.target is operator.getitem:
+            from autopar.passes.annotate_shapes import producer
+
+            p, idx = producer(node)
+            saved_outputs.setdefault(ctx.key[p], set()).add(idx)
+        else:
+            saved_outputs.setdefault(key, set()).add(0)
+    cap = ctx.captured
+    param_keys = {ctx.key[n] for n in cap.params.values()}
+    for key, strats in ctx.strategies.items():
+        node = ctx.members[key][0]
+        count = ctx.node_count[key]
+        if key in param_keys:
+            shape = tuple(node.meta["val"].shape)
+            numel = math.prod(shape)
+            ctx.memory_cost[key] = [count * param_state_bytes(numel // split_factor_shard(s.outs[0], sizes),
+                                                              ctx.precision) for s in strats]
+        elif key in saved_outputs:
+            metas = op_info(node).outputs
+            ctx.memory_cost[key] = [
+                count * sum(local_bytes(metas[i].shape, compute_dtype(metas[i].dtype, ctx), s.outs[i], sizes)
+                            for i in saved_outputs[key] if i < len(metas) and metas[i] is not None)
+                for s in strats]
+
+
+def _edge_cost(ctx: PassContext, e) -> EdgeCost:
+    src_strats = ctx.strategies[e.src]
+    src_layouts: list[tuple] = []
+    src_index = []
+    for s in src_strats:
+        lay = s.outs[e.out]
+        if lay not in src_layouts:
+            src_layouts.append(lay)
+        src_index.append(src_layouts.index(lay))
+    if e.kind == "loss":
+        dst_layouts, dst_index = [tuple(R for _ in ctx.mesh.shape)], None
+    else:
+        dst_layouts, dst_index = [], []
+        for s in ctx.strategies[e.dst]:
+            lay = s.outs[0] if e.kind == "grad" else s.ins[e.arg]
+            if lay not in dst_layouts:
+                dst_layouts.append(lay)
+            dst_index.append(dst_layouts.index(lay))
+    dtype = ctx.precision.grad_dtype if e.kind == "grad" else compute_dtype(e.meta.dtype, ctx)
+    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b) for b in dst_layouts] for a in src_layouts]
+    return EdgeCost(src_layouts, dst_layouts, cost, src_index, dst_index)
+
+
+def transition_cost(ctx: PassContext, shape, dtype, src, dst) -> float:
+    return _transition_cost(ctx.hw, ctx.mesh, tuple(shape), dtype, tuple(src), tuple(dst))
+
+
+@functools.lru_cache(maxsize=200_000)
+def _transition_cost(hw, mesh, shape, dtype, src, dst) -> float:
+    return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst))
+
+
+def step_costs(hw, mesh, shape, dtype, src, dst) -> list[tuple]:
+    """[(Step, seconds)] for one layout change; bytes follow the local shape as the steps run."""
+    from torch.distributed.tensor import Shard
+
+    local = list(shape)
+    for p, n in zip(src, mesh.shape):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+    out = []
+    for st in plan_steps(src, dst):
+        n = mesh.shape[st.axis]
+        nbytes = tensor_bytes(tuple(local), dtype)
+        t = 0.0
+        if st.kind == "all_gather":
+            local[st.dim] *= n
+            t = collective_time("all_gather", nbytes * n, n, link_spec(hw, mesh.links[st.axis]))
+        elif st.kind == "reduce_scatter":
+            t = collective_time("reduce_scatter", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+            local[st.dim] //= n
+        elif st.kind == "all_reduce":
+            t = collective_time("all_reduce", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+        elif st.kind == "all_to_all":
+            t = collective_time("all_to_all", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+            local[st.dim] *= n
+            local[st.dst_dim] //= n
+        elif st.kind == "chunk":
+            local[st.dim] //= n
+        out.append((st, t))
+    return out
+
+
+def is_view(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in VIEW_OPS or node.target in VIEW_OPS

@@ -1,0 +1,187 @@
+"""Simulate one training step under the chosen strategies: compute and communication streams with overlap,
+and peak memory from tensor liveness over the schedule."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.cost import tensor_bytes
+from autopar.passes.annotate_shapes import _scale, producer
+from autopar.passes.context import PassContext
+from autopar.passes.estimate_costs import as_compute, compute_dtype, local_bytes, split_of, step_costs
+from autopar.rules.base import flat_tensor_args, op_info
+
+
+@dataclasses.dataclass
+class Simulation:
+    step_time: float
+    compute_time: float
+    comm_time: float
+    exposed_comm: float
+    optimizer_time: float
+    peak_memory: int
+    memory: dict[str, int]
+    comm_by_axis: dict[str, float]
+    comm_bytes_by_axis: dict[str, float]
+    node_time: dict[str, float]
+    top_ops: list[tuple[str, float]]
+    timeline: list[tuple[str, str, float, float]]  # (stream, label, start, end), a sample for plots
+
+
+def simulate_step_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    ctx.simulation = simulate(ctx)
+    return gm
+
+
+def _out_layout(ctx: PassContext, node: fx.Node) -> tuple:
+    u, idx = producer(node)
+    return ctx.chosen(ctx.key[u]).outs[idx]
+
+
+def simulate(ctx: PassContext) -> Simulation:
+    cap, mesh, hw = ctx.captured, ctx.mesh, ctx.hw
+    gm = cap.gm
+    compute_free = comm_free = 0.0
+    ready: dict[fx.Node, float] = {}
+    total_compute = total_comm = 0.0
+    comm_axis: dict[str, float] = collections.defaultdict(float)
+    comm_bytes: dict[str, float] = collections.defaultdict(float)
+    node_time: dict[str, float] = collections.defaultdict(float)
+    timeline = []
+    grad_nodes = {producer(g)[0]: fqn for fqn, g in cap.grads.items()}
+
+    def comm(shape, dtype, src, dst, start, scale, label):
+        nonlocal comm_free, total_comm
+        steps = step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst))
+        t = sum(c for _, c in steps) * scale
+        if t == 0:
+            return start
+        for st, c in steps:
+            if st.is_comm:
+                ax = mesh.axis_names[st.axis]
+                comm_axis[f"{ax}:{st.kind}"] += c * scale
+                comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
+        begin = max(comm_free, start)
+        comm_free = begin + t
+        total_comm += t
+        if len(timeline) < 4000:
+            timeline.append(("comm", label, begin, comm_free))
+        return comm_free
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            ready[node] = 0.0
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            ready[node] = ready[node.args[0]]
+            continue
+        key = ctx.key[node]
+        strat = ctx.chosen(key)
+        scale = _scale(ctx, node)[1]
+        info = op_info(node)
+        args = [a for a in flat_tensor_args(node.args, node.kwargs)
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        t_in = 0.0
+        for i, a in enumerate(args):
+            src = _out_layout(ctx, a)
+            dst = strat.ins[i]
+            u = producer(a)[0]
+            regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
+            arrive = comm(info.inputs[i].shape, compute_dtype(info.inputs[i].dtype, ctx), src, dst, ready[a],
+                          scale * regather, ctx.captured.names[node])
+            t_in = max(t_in, arrive)
+        dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
+        start = max(compute_free, t_in)
+        compute_free = start + dur
+        total_compute += dur
+        node_time[key] += dur
+        ready[node] = compute_free
+        if dur > 0 and len(timeline) < 4000:
+            timeline.append(("compute", ctx.captured.names[node], start, compute_free))
+        if node in grad_nodes:
+            fqn = grad_nodes[node]
+            pkey = ctx.key[cap.params[fqn]]
+            meta = node.meta["val"]
+            val = meta[0] if isinstance(meta, (list, tuple)) else meta
+            comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[0], ctx.chosen(pkey).outs[0], compute_free,
+                 _scale(ctx, cap.params[fqn])[1], f"grad {fqn}")
+    opt = _optimizer_time(ctx)
+    step = max(compute_free, comm_free) + opt
+    memory, peak = _memory(ctx)
+    top = sorted(node_time.items(), key=lambda kv: -kv[1])[:15]
+    return Simulation(step_time=step, compute_time=total_compute, comm_time=total_comm,
+                      exposed_comm=max(0.0, step - opt - total_compute), optimizer_time=opt, peak_memory=peak,
+                      memory=memory, comm_by_axis=dict(comm_axis), comm_bytes_by_axis=dict(comm_bytes),
+                      node_time=dict(node_time), top_ops=top, timeline=timeline)
+
+
+def _shard(layout, sizes) -> int:
+    from torch.distributed.tensor import Shard
+
+    return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
+
+
+def _param_local_numel(ctx: PassContext) -> float:
+    total = 0.0
+    for fqn, node in ctx.captured.params.items():
+        lay = ctx.chosen(ctx.key[node]).outs[0]
+        total += math.prod(node.meta["val"].shape) / _shard(lay, ctx.mesh.shape) * _scale(ctx, node)[1]
+    return total
+
+
+def _optimizer_time(ctx: PassContext) -> float:
+    # AdamW reads and writes param, grad and both moments: memory bound.
+    numel = _param_local_numel(ctx)
+    per_elem = 2 * (4 + 4 + ctx.precision.optimizer_state_bytes_per_param)
+    return numel * per_elem / ctx.hw.hbm_bandwidth
+
+
+def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
+    p = ctx.precision
+    numel = _param_local_numel(ctx)
+    param_b = numel * torch.tensor([], dtype=p.param_dtype).element_size()
+    grad_b = numel * torch.tensor([], dtype=p.grad_dtype).element_size()
+    opt_b = numel * p.optimizer_state_bytes_per_param
+    master = numel * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
+    static = param_b + grad_b + opt_b + master
+    live: dict[fx.Node, float] = {}
+    last_use: dict[fx.Node, fx.Node] = {}
+    nodes = list(ctx.captured.gm.graph.nodes)
+    for n in nodes:
+        for a in n.all_input_nodes:
+            last_use[a] = n
+    cur = peak = 0.0
+    for n in nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            b = _node_bytes(ctx, n)
+            live[n] = b
+            cur += b
+            peak = max(peak, cur)
+        for a in n.all_input_nodes:
+            if last_use.get(a) is n and a in live:
+                cur -= live.pop(a)
+        if n.op == "call_function" and all(u.op == "output" for u in n.users) and n in live:
+            cur -= live.pop(n)  # gradients: reduced into the persistent grad buffers counted above
+    mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
+           "activations": int(peak)}
+    return mem, int(static + peak)
+
+
+def _node_bytes(ctx: PassContext, n: fx.Node) -> float:
+    strat = ctx.chosen(ctx.key[n])
+    val = n.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    total = 0.0
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor) and i < len(strat.outs):
+            total += local_bytes(tuple(v.shape), compute_dtype(v.dtype, ctx), strat.outs[i], ctx.mesh.shape)
+    if ctx.key[n] in ctx.saved:
+        total *= _scale(ctx, n)[1]
+    return total

@@ -1,0 +1,62 @@
+"""Run the integer program over the priced strategies; refine the memory bound with the step simulator."""
+from __future__ import annotations
+
+import warnings
+
+import torch.fx as fx
+
+from autopar.errors import InfeasibleMemoryError
+from autopar.passes.context import PassContext
+from autopar.solver import IlpProblem, solve
+from autopar.solver.ilp import IlpEdge
+
+
+def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
+    edges = [IlpEdge(e.src, None if e.kind == "loss" else e.dst, c.src_index, c.dst_index, c.cost)
+             for e, c in zip(ctx.edges, ctx.edge_cost)]
+    sc = ctx.config.solver
+    limit = ctx.config.solver_time_limit_s if ctx.config.solver_time_limit_s is not None else sc.time_limit_s
+    return IlpProblem(n_strategies={k: len(v) for k, v in ctx.strategies.items()}, compute=ctx.compute_cost,
+                      memory=ctx.memory_cost, edges=edges, memory_limit=memory_limit, time_limit_s=limit,
+                      seed=sc.seed, workers=sc.workers)
+
+
+def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    from autopar.passes.simulate_step import simulate
+
+    limit = float(ctx.memory_limit)
+    report = ctx.progress.update if ctx.progress is not None else None
+    for attempt in range(ctx.config.solver.memory_refinements + 1):
+        problem = build_problem(ctx, limit)
+        result = solve(problem, on_progress=report)
+        if result is None:
+            _raise_infeasible(ctx)
+        ctx.choice = result.choice
+        ctx.solver_stats = dict(result.stats, optimal=result.optimal, objective_s=result.objective_s,
+                                refinements=attempt)
+        sim = simulate(ctx)
+        if sim.peak_memory <= ctx.memory_limit:
+            break
+        # The linear estimate missed transient buffers: tighten by the overshoot and solve again.
+        limit -= (sim.peak_memory - ctx.memory_limit) * 1.05
+    if not result.optimal:
+        warnings.warn(f"the solver hit its time limit ({problem.time_limit_s} deterministic s) before proving "
+                      "optimality; returning the best plan found (raise Config(solver_time_limit_s=...))",
+                      stacklevel=2)
+    return gm
+
+
+def _raise_infeasible(ctx: PassContext) -> None:
+    best = solve(build_problem(ctx, None), minimize_memory=True)
+    if best is None:
+        raise InfeasibleMemoryError("no plan exists (the strategy space is empty)")
+    consumers = []
+    for key, costs in ctx.memory_cost.items():
+        consumers.append((costs[best.choice[key]], key))
+    consumers.sort(reverse=True)
+    total = sum(c for c, _ in consumers)
+    top = ", ".join(f"{k} {c / 2**30:.2f} GiB" for c, k in consumers[:5])
+    raise InfeasibleMemoryError(
+        f"no plan fits the memory limit of {ctx.memory_limit / 2**30:.2f} GiB per rank; the smallest plan found "
+        f"needs {total / 2**30:.2f} GiB (largest consumers: {top}). Use more ranks, a smaller batch or sequence, "
+        "or raise memory_limit_gb.")
