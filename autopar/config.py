@@ -15,6 +15,13 @@ class SolverConfig:
     # Extra passes when the simulated peak memory exceeds the limit the ILP's linear estimate respected.
     memory_refinements: int = 3
     show_progress: bool = True
+    # Shards of a tensor's innermost dim narrower than this many elements are not considered for compute
+    # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory
+    # transaction and run far below the roofline the cost model assumes; 1 on CPU).
+    min_inner_shard: int | None = None
+    # Drop strategies that feed Partial values into multi-input ops (add(P, P) -> P, mul(P, R) -> P): they
+    # only postpone a reduction by one op and roughly double the edge variables of the program.
+    prune_partial_inputs: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

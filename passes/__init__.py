@@ -10,6 +10,7 @@ from autopar.passes.context import PassContext
 from autopar.passes.annotate_shapes import annotate_shapes_pass
 from autopar.passes.enumerate_strategies import enumerate_strategies_pass
 from autopar.passes.estimate_costs import estimate_costs_pass
+from autopar.passes.merge_followers import merge_followers_pass
 from autopar.passes.solve_placements import solve_placements_pass
 from autopar.passes.simulate_step import simulate_step_pass
 from autopar.passes.build_plan import build_plan_pass
@@ -19,6 +20,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 # Order and why:
 #  annotate_shapes first: every later pass reads node keys, phases and saved-for-backward sets from it;
 #  enumerate_strategies before estimate_costs: costs are priced per enumerated strategy;
+#  merge_followers after estimate_costs: it reads the edges, and the ILP folds followers' priced costs in;
 #  solve_placements needs the priced strategies and edges;
 #  simulate_step needs the chosen strategies (it re-prices the step with overlap and liveness);
 #  build_plan last: it packages choices and simulated figures into the Plan.
@@ -26,6 +28,7 @@ PASSES: tuple[Pass, ...] = (
     annotate_shapes_pass,
     enumerate_strategies_pass,
     estimate_costs_pass,
+    merge_followers_pass,
     solve_placements_pass,
     simulate_step_pass,
     build_plan_pass,

@@ -34,6 +34,7 @@ class PassContext:
     precision: Any
     memory_limit: int
     progress: Any = None
+    min_inner: int = 1
     # annotate_shapes
     key: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     members: dict[str, list[fx.Node]] = dataclasses.field(default_factory=dict)
@@ -44,6 +45,8 @@ class PassContext:
     # enumerate_strategies
     strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)
     unknown_ops: set[str] = dataclasses.field(default_factory=set)
+    # merge_followers: key -> (root key, root strategy index -> this key's strategy index)
+    follow: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     # estimate_costs
     compute_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     edge_cost: list[Any] = dataclasses.field(default_factory=list)

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import rules
 from autopar.errors import NoStrategyError
@@ -25,6 +25,7 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     cap = ctx.captured
     sizes = ctx.mesh.shape
     pins = _param_pins(ctx)
+    ctx.min_inner = ctx.config.solver.min_inner_shard or (1 if ctx.hw.name == "cpu" else 128)
     for key, nodes in ctx.members.items():
         node = nodes[0]
         if node.op == "call_function" and node.target is operator.getitem:
@@ -59,11 +60,30 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
             continue
         if not all(m is None or divides(m.shape, lay, sizes) for m, lay in zip(info.outputs, outs)):
             continue
+        if ctx.min_inner > 1 and not all(_inner_ok(m.shape, lay, sizes, ctx.min_inner)
+                                         for m, lay in zip(info.inputs + info.outputs, ins + outs) if m is not None):
+            continue
+        if any(isinstance(pl, Partial) and pl.reduce_op != "sum" for lay in ins for pl in lay):
+            continue  # avg-partials become sum-partials by a free local rescale: one partial kind per input
+        if ctx.config.solver.prune_partial_inputs and len(ins) > 1 and any(
+                isinstance(pl, Partial) for lay in ins for pl in lay):
+            continue
         s = NodeStrategy(ins, outs)
         if s not in seen:
             seen.add(s)
             out.append(s)
     return out
+
+
+def _inner_ok(shape, layout, sizes, minimum: int) -> bool:
+    if not shape:
+        return True
+    last = len(shape) - 1
+    n = 1
+    for p, k in zip(layout, sizes):
+        if isinstance(p, Shard) and p.dim == last:
+            n *= k
+    return n == 1 or shape[last] // n >= minimum
 
 
 def layouts_for(shape: tuple[int, ...], sizes, allow_nested: bool) -> list[tuple]:

@@ -47,11 +47,14 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def split_of(strategy, sizes) -> int:
-    """Ways the work of a node is divided: an axis divides it if any input or output is not replicated."""
+    """Ways the work of a node is divided: an axis divides it if it shards any input or output. (A Partial
+    output alone does not: each rank then computes a full-size partial value.)"""
+    from torch.distributed.tensor import Shard
+
     layouts = [lay for lay in strategy.ins if lay is not None] + list(strategy.outs)
     total = 1
     for a, n in enumerate(sizes):
-        if any(not isinstance(lay[a], Replicate) for lay in layouts):
+        if any(isinstance(lay[a], Shard) for lay in layouts):
             total *= n
     return total
 

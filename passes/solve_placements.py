@@ -9,16 +9,44 @@ from autopar.errors import InfeasibleMemoryError
 from autopar.passes.context import PassContext
 from autopar.solver import IlpProblem, solve
 from autopar.solver.ilp import IlpEdge
+from autopar.solver.prune import reduce_problem
+
+
+def _root(ctx: PassContext, key: str) -> tuple[str, list[int] | None]:
+    return ctx.follow.get(key, (key, None))
 
 
 def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
-    edges = [IlpEdge(e.src, None if e.kind == "loss" else e.dst, c.src_index, c.dst_index, c.cost)
-             for e, c in zip(ctx.edges, ctx.edge_cost)]
+    """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
+    n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
+    compute = {k: list(ctx.compute_cost[k]) for k in n}
+    memory: dict[str, list[float]] = {k: list(ctx.memory_cost.get(k, [0.0] * n[k])) for k in n}
+    for key, (root, idx) in ctx.follow.items():
+        for i, j in enumerate(idx):
+            compute[root][i] += ctx.compute_cost[key][j]
+            if key in ctx.memory_cost:
+                memory[root][i] += ctx.memory_cost[key][j]
+    edges = []
+    for e, c in zip(ctx.edges, ctx.edge_cost):
+        src, smap = _root(ctx, e.src)
+        src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
+        if e.kind == "loss":
+            edges.append(IlpEdge(src, None, src_index, None, c.cost))
+            continue
+        dst, dmap = _root(ctx, e.dst)
+        dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
+        edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost))
     sc = ctx.config.solver
     limit = ctx.config.solver_time_limit_s if ctx.config.solver_time_limit_s is not None else sc.time_limit_s
-    return IlpProblem(n_strategies={k: len(v) for k, v in ctx.strategies.items()}, compute=ctx.compute_cost,
-                      memory=ctx.memory_cost, edges=edges, memory_limit=memory_limit, time_limit_s=limit,
-                      seed=sc.seed, workers=sc.workers)
+    return IlpProblem(n_strategies=n, compute=compute, memory=memory, edges=edges, memory_limit=memory_limit,
+                      time_limit_s=limit, seed=sc.seed, workers=sc.workers)
+
+
+def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:
+    out = dict(choice)
+    for key, (root, idx) in ctx.follow.items():
+        out[key] = idx[choice[root]]
+    return out
 
 
 def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -28,11 +56,13 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     report = ctx.progress.update if ctx.progress is not None else None
     for attempt in range(ctx.config.solver.memory_refinements + 1):
         problem = build_problem(ctx, limit)
-        result = solve(problem, on_progress=report)
+        reduced = reduce_problem(problem)
+        result = solve(reduced.problem, on_progress=report)
         if result is None:
             _raise_infeasible(ctx)
-        ctx.choice = result.choice
-        ctx.solver_stats = dict(result.stats, optimal=result.optimal, objective_s=result.objective_s,
+        ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+        ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
+                                strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal, objective_s=result.objective_s,
                                 refinements=attempt)
         sim = simulate(ctx)
         if sim.peak_memory <= ctx.memory_limit:
@@ -51,8 +81,9 @@ def _raise_infeasible(ctx: PassContext) -> None:
     if best is None:
         raise InfeasibleMemoryError("no plan exists (the strategy space is empty)")
     consumers = []
+    choice = expand_choice(ctx, best.choice)
     for key, costs in ctx.memory_cost.items():
-        consumers.append((costs[best.choice[key]], key))
+        consumers.append((costs[choice[key]], key))
     consumers.sort(reverse=True)
     total = sum(c for c, _ in consumers)
     top = ", ".join(f"{k} {c / 2**30:.2f} GiB" for c, k in consumers[:5])

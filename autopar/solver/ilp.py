@@ -61,8 +61,14 @@ def _ns(x: float) -> int:
     return int(round(x * SCALE))
 
 
-def solve(p: IlpProblem, on_progress: Callable[[str], None] | None = None, minimize_memory: bool = False) -> IlpResult | None:
-    """Solve; None when infeasible. With minimize_memory the objective is memory alone and no limit applies."""
+def solve(p: IlpProblem, on_progress: Callable[[str], None] | None = None, minimize_memory: bool = False,
+          backend: str = "highs") -> IlpResult | None:
+    """Solve; None when infeasible. With minimize_memory the objective is memory alone and no limit applies.
+
+    backend "highs" (default) is a MIP over boolean x with continuous y (the transportation constraints make
+    y integral once x is); "cp-sat" keeps every variable boolean."""
+    if backend == "highs":
+        return _solve_mip(p, on_progress, minimize_memory)
     t0 = time.perf_counter()
     m = cp_model.CpModel()
     x: dict[str, list] = {}
@@ -135,3 +141,102 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         self.n += 1
         self.report(f"solution {self.n}: objective {self.ObjectiveValue() / SCALE * 1e3:.3f} ms, "
                     f"bound {self.BestObjectiveBound() / SCALE * 1e3:.3f} ms")
+
+
+def _solve_mip(p: IlpProblem, on_progress, minimize_memory: bool) -> IlpResult | None:
+    from ortools.linear_solver import pywraplp
+
+    t0 = time.perf_counter()
+    m = pywraplp.Solver.CreateSolver("HIGHS")
+    x: dict[str, list] = {}
+    obj = m.Objective()
+    for k in sorted(p.n_strategies):
+        x[k] = [m.BoolVar(f"x{len(x)}_{i}") for i in range(p.n_strategies[k])]
+        c = m.Constraint(1, 1)
+        for v in x[k]:
+            c.SetCoefficient(v, 1)
+    lin: dict = {}
+
+    def add(v, coef):
+        lin[v] = lin.get(v, 0.0) + coef
+
+    n_y = 0
+    if minimize_memory:
+        for k in p.memory:
+            for c, v in zip(p.memory[k], x[k]):
+                add(v, c / 2**30)
+    else:
+        for k in x:
+            for c, v in zip(p.compute[k], x[k]):
+                if c:
+                    add(v, c * 1e3)
+        for e in p.edges:
+            n_y += _mip_edge(m, e, x, add)
+        mem = [(c, v) for k in p.memory for c, v in zip(p.memory[k], x[k]) if c]
+        if p.memory_limit is not None and mem:
+            con = m.Constraint(-m.infinity(), (p.memory_limit - p.fixed_memory) / 2**20)
+            for c, v in mem:
+                con.SetCoefficient(v, c / 2**20)
+    for v, coef in lin.items():
+        obj.SetCoefficient(v, coef)
+    obj.SetMinimization()
+    m.SetTimeLimit(int(p.time_limit_s * 1000))
+    m.SetSolverSpecificParametersAsString(f"random_seed={p.seed}\nthreads=1\n")
+    build_s = time.perf_counter() - t0
+    if on_progress:
+        on_progress(f"solving: {m.NumVariables()} variables, {m.NumConstraints()} constraints")
+    t1 = time.perf_counter()
+    status = m.Solve()
+    solve_s = time.perf_counter() - t1
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None
+    choice = {k: max(range(len(vs)), key=lambda i: (vs[i].solution_value(), -i)) for k, vs in x.items()}
+    stats = {"variables": m.NumVariables(), "keys": len(x), "edge_variables": n_y,
+             "constraints": m.NumConstraints(), "build_seconds": build_s, "solve_seconds": solve_s,
+             "status": "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE", "backend": "highs"}
+    value = obj.Value() / 1e3 if not minimize_memory else obj.Value()
+    return IlpResult(choice, value, status == pywraplp.Solver.OPTIMAL, stats)
+
+
+def _mip_edge(m, e: IlpEdge, x: dict, add) -> int:
+    A, B = len(e.cost), len(e.cost[0])
+    if all(c == 0 for row in e.cost for c in row):
+        return 0
+    xs = x[e.src]
+    if e.dst is None:
+        for s in range(len(xs)):
+            add(xs[s], e.cost[e.src_index[s]][0] * 1e3)
+        return 0
+    xd = x[e.dst]
+    if e.src == e.dst:
+        for s in range(len(xs)):
+            add(xs[s], e.cost[e.src_index[s]][e.dst_index[s]] * 1e3)
+        return 0
+    if A == 1:
+        for t in range(len(xd)):
+            add(xd[t], e.cost[0][e.dst_index[t]] * 1e3)
+        return 0
+    if B == 1:
+        for s in range(len(xs)):
+            add(xs[s], e.cost[e.src_index[s]][0] * 1e3)
+        return 0
+    y = [[m.NumVar(0, 1, "") for _ in range(B)] for _ in range(A)]
+    for a in range(A):
+        c = m.Constraint(0, 0)
+        for b in range(B):
+            c.SetCoefficient(y[a][b], 1)
+        for s in range(len(xs)):
+            if e.src_index[s] == a:
+                c.SetCoefficient(xs[s], -1)
+    for b in range(B):
+        c = m.Constraint(0, 0)
+        for a in range(A):
+            c.SetCoefficient(y[a][b], 1)
+        for t in range(len(xd)):
+            if e.dst_index[t] == b:
+                c.SetCoefficient(xd[t], -1)
+    for a in range(A):
+        for b in range(B):
+            if e.cost[a][b]:
+                add(y[a][b], e.cost[a][b] * 1e3)
+    return A * B

@@ -1,0 +1,242 @@
+"""Emit the redistribution steps of `autopar.redistribute.plan_steps` as functional collectives on local tensors.
+
+Every step the cost model priced becomes exactly one collective (plus local reshuffles) or one local op:
+all_gather and reduce_scatter work on dim 0, so other dims are moved there and back with permute + view;
+all_to_all exchanges equal chunks of a leading axis. Partial(avg) reductions are a sum followed by a
+division, so any backend (gloo has no AVG everywhere) computes the same.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
+from autopar.layout import fmt_layout
+from autopar.redistribute import Step, describe_steps, plan_steps
+
+aten = torch.ops.aten
+
+
+def _c10d():
+    from autopar import _torch_compat as compat
+
+    compat.functional_collectives()  # registers the _c10d_functional ops
+    return torch.ops._c10d_functional
+
+
+COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """'all_gather' / 'all_reduce' / 'reduce_scatter' / 'all_to_all' for a functional collective node."""
+    name = getattr(node.target, "_schema", None) and node.target._schema.name
+    if not name or not name.startswith("_c10d_functional::"):
+        return None
+    op = name.split("::", 1)[1]
+    return {"all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce",
+            "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}.get(op)
+
+
+def collective_group(node: fx.Node) -> str:
+    return node.args[-1]
+
+
+def redistribute(b: Builder, x: fx.Node, src: Sequence[Placement], dst: Sequence[Placement], rank: RankSpec,
+                 phase: str, hint: str = "") -> fx.Node:
+    """The local value of `x` (layout `src`) in layout `dst`."""
+    for st in checked_steps(tuple(src), tuple(dst), rank.axis_names):
+        x = emit_step(b, x, st, rank, phase, hint)
+    return x
+
+
+_WARNED: set[tuple] = set()
+
+
+def checked_steps(src: tuple, dst: tuple, axis_names: Sequence[str] = ()) -> list[Step]:
+    """plan_steps(src, dst) when its sequence is valid under DTensor's nesting; otherwise a gather-then-chunk
+    sequence that is (the cost model priced the other one, so this warns once per transition)."""
+    steps = plan_steps(src, dst)
+    if steps_valid(src, dst, steps):
+        return steps
+    safe = safe_steps(src, dst)
+    key = (src, dst)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        names = list(axis_names) or [str(i) for i in range(len(src))]
+        warnings.warn(f"redistribute.plan_steps({fmt_layout(src)} -> {fmt_layout(dst)}) gives "
+                      f"[{describe_steps(steps, names)}], which breaks the nesting of shards on one dim; "
+                      f"emitting [{describe_steps(safe, names)}] instead", stacklevel=2)
+    assert steps_valid(src, dst, safe), (src, dst, safe)
+    return safe
+
+
+def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Sequence[Step]) -> bool:
+    """Whether `steps` turn `src` into `dst` keeping every sharded dim nested in mesh order (an earlier axis
+    splits first): a step may only gather, scatter or chunk a dim on the innermost axis that shards it."""
+    cur = list(src)
+    n = len(cur)
+
+    def inner_free(a: int, d: int) -> bool:
+        return not any(isinstance(cur[b], Shard) and cur[b].dim == d for b in range(a + 1, n))
+
+    for st in steps:
+        a, p = st.axis, cur[st.axis]
+        if st.kind == "all_gather":
+            ok, new = isinstance(p, Shard) and p.dim == st.dim and inner_free(a, st.dim), Replicate()
+        elif st.kind == "chunk":
+            ok, new = isinstance(p, Replicate) and inner_free(a, st.dim), Shard(st.dim)
+        elif st.kind == "reduce_scatter":
+            ok, new = isinstance(p, Partial) and inner_free(a, st.dim), Shard(st.dim)
+        elif st.kind == "all_reduce":
+            ok, new = isinstance(p, Partial), Replicate()
+        elif st.kind == "all_to_all":
+            ok = (isinstance(p, Shard) and p.dim == st.dim and inner_free(a, st.dim) and inner_free(a, st.dst_dim))
+            new = Shard(st.dst_dim)
+        elif st.kind == "partialize":
+            ok, new = isinstance(p, Replicate), Partial(st.op)
+        elif st.kind == "rescale":
+            ok, new = isinstance(p, Partial), Partial("sum" if st.op == "avg_to_sum" else "avg")
+        else:
+            return False
+        if not ok:
+            return False
+        cur[a] = new
+    return tuple(cur) == tuple(dst)
+
+
+def safe_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
+    """Undo every changed axis (and the axes nested inside it) to Replicate, innermost first, then shard or
+    partialize outermost first. Always valid; used only when plan_steps is not."""
+    n = len(src)
+    touch = {a for a in range(n) if src[a] != dst[a]}
+    grew = True
+    while grew:
+        grew = False
+        for a in sorted(touch):
+            dims = [p.dim for p in (src[a], dst[a]) if isinstance(p, Shard)]
+            for b in range(a + 1, n):
+                if b not in touch and any(isinstance(x, Shard) and x.dim in dims for x in (src[b], dst[b])):
+                    touch.add(b)
+                    grew = True
+    cur, steps = list(src), []
+    for a in sorted(touch, reverse=True):
+        s, t = cur[a], dst[a]
+        if isinstance(s, Partial) and isinstance(t, Partial):
+            if s != t:
+                steps.append(Step("rescale", a, op=f"{s.reduce_op}_to_{t.reduce_op}"))
+                cur[a] = t
+        elif isinstance(s, Shard):
+            steps.append(Step("all_gather", a, s.dim))
+            cur[a] = Replicate()
+        elif isinstance(s, Partial):
+            steps.append(Step("all_reduce", a, op=s.reduce_op))
+            cur[a] = Replicate()
+    for a in range(n):
+        if cur[a] == dst[a]:
+            continue
+        t = dst[a]
+        steps.append(Step("chunk", a, t.dim) if isinstance(t, Shard) else Step("partialize", a, op=t.reduce_op))
+        cur[a] = t
+    return steps
+
+
+def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "") -> fx.Node:
+    n = rank.axis_sizes[st.axis]
+    axis = rank.axis_names[st.axis]
+    group = rank.group_names[st.axis]
+    c10d = _c10d()
+    shape = list(local_val_shape(x))
+    tag = f"{hint}_{axis}" if hint else axis
+
+    def call(target, args, kwargs=None, name=None):
+        return b.call(target, args, kwargs, phase=phase, name=name)
+
+    if st.kind == "all_gather":
+        y = call(c10d.all_gather_into_tensor.default, (x, n, group), name=f"all_gather_{tag}")
+        y = call(c10d.wait_tensor.default, (y,), name=f"wait_{tag}")
+        return _move_leading(b, y, n, shape, st.dim, phase) if st.dim != 0 else y
+    if st.kind == "all_reduce":
+        op = _reduce_op(st.op)
+        y = call(c10d.all_reduce.default, (x, "sum", group), name=f"all_reduce_{tag}")
+        y = call(c10d.wait_tensor.default, (y,), name=f"wait_{tag}")
+        return call(aten.div.Scalar, (y, n)) if op == "avg" else y
+    if st.kind == "reduce_scatter":
+        op = _reduce_op(st.op)
+        inp = x if st.dim == 0 else _split_to_leading(b, x, n, shape, st.dim, phase)
+        y = call(c10d.reduce_scatter_tensor.default, (inp, "sum", n, group), name=f"reduce_scatter_{tag}")
+        y = call(c10d.wait_tensor.default, (y,), name=f"wait_{tag}")
+        if st.dim != 0:
+            out = list(shape)
+            out[st.dim] //= n
+            y = call(aten.view.default, (y, out))
+        return call(aten.div.Scalar, (y, n)) if op == "avg" else y
+    if st.kind == "all_to_all":
+        inp = _split_to_leading(b, x, n, shape, st.dst_dim, phase)
+        y = call(c10d.all_to_all_single.default, (inp, [1] * n, [1] * n, group), name=f"all_to_all_{tag}")
+        y = call(c10d.wait_tensor.default, (y,), name=f"wait_{tag}")
+        mid = list(shape)
+        mid[st.dst_dim] //= n
+        return _merge_leading(b, y, n, mid, st.dim, phase)
+    if st.kind == "chunk":
+        if shape[st.dim] % n:
+            raise CodegenError(f"cannot chunk dim {st.dim} of size {shape[st.dim]} into {n} even shards on "
+                               f"axis {axis!r}")
+        m = shape[st.dim] // n
+        c = rank.coords[st.axis]
+        y = call(aten.slice.Tensor, (x, st.dim, c * m, (c + 1) * m), name=f"chunk_{tag}")
+        return call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+    if st.kind == "partialize":
+        op = _reduce_op(st.op)
+        if op == "sum" and rank.coords[st.axis] != 0:
+            return call(aten.zeros_like.default, (x,), name=f"partial_zero_{tag}")
+        return x
+    if st.kind == "rescale":
+        if st.op == "avg_to_sum":
+            return call(aten.div.Scalar, (x, n), name=f"avg_to_sum_{tag}")
+        if st.op == "sum_to_avg":
+            return call(aten.mul.Scalar, (x, n), name=f"sum_to_avg_{tag}")
+    raise CodegenError(f"unknown redistribution step {st}")
+
+
+def _reduce_op(op: str | None) -> str:
+    if op in ("sum", "avg"):
+        return op
+    raise CodegenError(f"Partial({op}) cannot be reduced: only sum and avg partials are supported")
+
+
+def _move_leading(b: Builder, y: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
+    """(n*s0, s1, ...) holding n stacked chunks along dim 0 -> the chunks concatenated along `dim`."""
+    y = b.call(aten.view.default, (y, [n] + shape), phase=phase)
+    k = len(shape)
+    perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, k + 1))
+    y = b.call(aten.permute.default, (y, perm), phase=phase)
+    y = b.call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, phase=phase)
+    out = list(shape)
+    out[dim] *= n
+    return b.call(aten.view.default, (y, out), phase=phase)
+
+
+def _split_to_leading(b: Builder, x: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
+    """Split `dim` into n equal chunks and stack them along a new leading axis: (n, ..., s_dim/n, ...)."""
+    if shape[dim] % n:
+        raise CodegenError(f"dim {dim} of size {shape[dim]} does not split into {n} even chunks")
+    split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]
+    y = b.call(aten.view.default, (x, split), phase=phase)
+    perm = [dim] + [i for i in range(len(split)) if i != dim]
+    y = b.call(aten.permute.default, (y, perm), phase=phase)
+    return b.call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, phase=phase)
+
+
+def _merge_leading(b: Builder, y: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
+    """(n, *shape) -> leading axis merged into `dim` as its outer factor."""
+    k = len(shape)
+    perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, k + 1))
+    y = b.call(aten.permute.default, (y, perm), phase=phase)
+    y = b.call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, phase=phase)
+    out = list(shape)
+    out[dim] *= n
+    return b.call(aten.view.default, (y, out), phase=phase)

@@ -1,0 +1,235 @@
+"""Lower the captured joint graph and a Plan to one rank's LOCAL joint graph: local shards in, a collective
+wherever a producer's layout differs from what its consumer was planned to read, local shapes everywhere."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate
+
+from autopar.capture import Captured
+from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
+from autopar.codegen.collectives import redistribute
+from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
+                                          localize)
+from autopar.layout import fmt_layout, local_shape
+from autopar.plan import NodePlan, Plan
+
+Layout = tuple[Placement, ...]
+
+
+@dataclasses.dataclass
+class LocalJoint:
+    """One rank's joint forward+backward graph over local shards.
+
+    Placeholders: params (in `params` order), buffers, inputs, tangents. Output: (loss replicated,
+    grad per param in `params` order, each in its parameter's layout, or None)."""
+
+    gm: fx.GraphModule
+    phase: dict[fx.Node, str]
+    params: dict[str, fx.Node]
+    buffers: dict[str, fx.Node]
+    inputs: list[fx.Node]
+    tangents: list[fx.Node]
+    layouts: dict[str, Layout]  # placeholder node name -> layout of its local value
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def _out_of(node: fx.Node) -> tuple[fx.Node, int]:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0], int(node.args[1])
+    return node, 0
+
+
+class _Lowering:
+    def __init__(self, plan: Plan, cap: Captured, rank: RankSpec):
+        if tuple(plan.mesh.shape) != tuple(rank.axis_sizes) or tuple(plan.mesh.axis_names) != tuple(rank.axis_names):
+            raise ValueError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, the rank "
+                             f"belongs to mesh {dict(zip(rank.axis_names, rank.axis_sizes))}")
+        self.plan, self.cap, self.rank = plan, cap, rank
+        self.b = Builder()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+
+    # --- plan lookups ----------------------------------------------------------------------------------
+    def node_plan(self, node: fx.Node) -> NodePlan:
+        name = self.cap.names[node]
+        np_ = self.plan.nodes.get(name) or self.plan.nodes.get(self.plan.key(name))
+        if np_ is None:
+            raise CodegenError(f"the plan has no entry for node {name} ({node.target}); the plan was made for "
+                               "another graph")
+        return np_
+
+    def layout_of(self, node: fx.Node) -> Layout:
+        u, idx = _out_of(node)
+        outs = self.node_plan(u).outs
+        if idx >= len(outs):
+            raise CodegenError(f"the plan gives {len(outs)} output layouts for {self.cap.names[u]}, "
+                               f"output {idx} is read")
+        return tuple(outs[idx])
+
+    # --- building ----------------------------------------------------------------------------------------
+    def run(self) -> LocalJoint:
+        cap = self.cap
+        params, buffers, inputs, tangents, layouts = {}, {}, [], [], {}
+        kinds = {n: ("param", f) for f, n in cap.params.items()}
+        kinds.update({n: ("buffer", f) for f, n in cap.buffers.items()})
+        for node in cap.gm.graph.nodes:
+            if node.op == "placeholder":
+                new = self._placeholder(node)
+                layouts[new.name] = self.layout_of(node)
+                kind, what = kinds.get(node, (None, None))
+                if kind == "param":
+                    params[what] = new
+                elif kind == "buffer":
+                    buffers[what] = new
+                elif node in cap.tangents:
+                    tangents.append(new)
+                else:
+                    inputs.append(new)
+            elif node.op == "call_function":
+                self.env[node] = self._call(node)
+            elif node.op == "output":
+                self._output()
+        gm = fx.GraphModule(torch.nn.Module(), self.b.graph)
+        params = {f: params[f] for f in cap.params}
+        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts)
+
+    def _placeholder(self, node: fx.Node) -> fx.Node:
+        name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
+        prefix = self.cap.names[node].split("/", 1)[0]
+        name = f"{prefix}_{name}" if prefix in ("input", "tangent") else name
+        val = node.meta["val"]
+        shape = local_shape(tuple(val.shape), self.layout_of(node), self.rank.axis_sizes)
+        new = self.b.placeholder(name, shape, val.dtype)
+        self.env[node] = new
+        return new
+
+    def _arg(self, a: fx.Node, dst: Layout | None, phase: str, consumer: str) -> fx.Node:
+        new = self.env[a]
+        if dst is None:
+            return new
+        src = self.layout_of(a)
+        dst = tuple(dst)
+        if src == dst:
+            return new
+        key = (new, dst, phase)
+        if key not in self.cache:
+            try:
+                self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
+            except CodegenError as e:
+                raise CodegenError(f"redistributing the input {self.cap.names.get(a, a.name)} of {consumer} from "
+                                   f"{fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
+        return self.cache[key]
+
+    def _call(self, node: fx.Node) -> fx.Node:
+        cap = self.cap
+        phase = cap.phase[node]
+        if node.target is operator.getitem:
+            return self.b.call(operator.getitem, (self.env[node.args[0]], node.args[1]), phase=phase, name=node.name)
+        np_ = self.node_plan(node)
+        name = cap.names[node]
+        tensor_nodes = [a for a in _flat_nodes((node.args, node.kwargs)) if _is_tensor(a)]
+        if len(np_.ins) != len(tensor_nodes):
+            raise CodegenError(f"the plan gives {len(np_.ins)} input layouts for {name}, which has "
+                               f"{len(tensor_nodes)} tensor inputs")
+        seen: dict[int, int] = {}
+
+        def sub(a):
+            if isinstance(a, fx.Node):
+                if not _is_tensor(a):
+                    return self.env[a]
+                # The same node may appear twice (x * x); each occurrence has its own slot.
+                i = _nth_slot(tensor_nodes, a, seen)
+                return self._arg(a, np_.ins[i], phase, name)
+            if isinstance(a, (list, tuple)):
+                return type(a)(sub(x) for x in a)
+            return a
+
+        args = [sub(a) for a in node.args]
+        kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+        site = _site(node, name, np_, tensor_nodes, self.rank.axis_sizes)
+        args, kwargs = localize(site, args, kwargs)
+        fake_kwargs = kwargs
+        if self.rank.device != "cpu":
+            kwargs = local_device_kwargs(kwargs, self.rank.device)
+        new = self.b.call(node.target, tuple(args), kwargs, phase=phase, name=node.name, fake_kwargs=fake_kwargs)
+        _check_shapes(site, new)
+        return new
+
+    def _output(self) -> None:
+        cap = self.cap
+        loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
+        grads = []
+        for fqn, pnode in cap.params.items():
+            g = cap.grads.get(fqn)
+            if g is None:
+                grads.append(None)
+                continue
+            grads.append(self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}"))
+        self.b.output((loss, *grads))
+
+
+def _nth_slot(tensor_nodes: list[fx.Node], a: fx.Node, seen: dict[int, int]) -> int:
+    k = seen.get(id(a), 0)
+    seen[id(a)] = k + 1
+    hits = [i for i, t in enumerate(tensor_nodes) if t is a]
+    return hits[min(k, len(hits) - 1)]
+
+
+def _flat_nodes(x) -> list[fx.Node]:
+    out: list[fx.Node] = []
+
+    def walk(v):
+        if isinstance(v, fx.Node):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            for e in v:
+                walk(e)
+        elif isinstance(v, dict):
+            for e in v.values():
+                walk(e)
+
+    walk(x)
+    return out
+
+
+def _is_tensor(a: fx.Node) -> bool:
+    return isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _site(node: fx.Node, name: str, np_: NodePlan, tensor_nodes: list[fx.Node], sizes) -> OpSite:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    out_shapes = [tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+    return OpSite(node=node, name=name, in_shapes=[tuple(int(s) for s in a.meta["val"].shape) for a in tensor_nodes],
+                  in_layouts=[tuple(x) if x is not None else None for x in np_.ins],
+                  out_shapes=out_shapes, out_layouts=[tuple(o) for o in np_.outs], axis_sizes=tuple(sizes))
+
+
+def _check_shapes(site: OpSite, new: fx.Node) -> None:
+    want = expected_local_shapes(site)
+    val = new.meta["val"]
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    got = [tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+    if len(want) < len(got):
+        want = want + [None] * (len(got) - len(want))
+    if any(w is not None and g is not None and w != g for w, g in zip(want, got)):
+        outs = " ".join(fmt_layout(o) for o in site.out_layouts)
+        raise CodegenError(f"{site.name} ({site.node.target}) computes local shape(s) {describe_shapes(got)} but its "
+                           f"planned output layout {outs} of global shape(s) {describe_shapes(site.out_shapes)} "
+                           f"needs {describe_shapes(want)}; this op has a shape argument codegen does not localize")
+
+
+def lower(plan: Plan, cap: Captured, rank: RankSpec) -> LocalJoint:
+    """The local joint graph of one rank (see LocalJoint)."""
+    return _Lowering(plan, cap, rank).run()
+
+
+__all__ = ["LocalJoint", "lower", "local_val_shape"]

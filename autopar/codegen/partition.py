@@ -1,0 +1,157 @@
+"""Split a local joint graph into a forward graph (params, buffers, inputs -> loss, saved tensors) and a
+backward graph (saved tensors, tangents -> grads).
+
+Forward values computed from parameters and buffers alone (a gathered weight, its transpose, a slice of a
+buffer) are recomputed in the backward graph right before their first use instead of being saved: this is
+the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from autopar.codegen.lower import LocalJoint
+
+
+@dataclasses.dataclass
+class LocalProgram:
+    """One rank's training step as two graphs plus the bookkeeping to call them."""
+
+    forward: fx.GraphModule  # (*params, *buffers, *inputs) -> (loss, *saved)
+    backward: fx.GraphModule  # (*saved, *tangents) -> (grad per param or None)
+    params: list[str]
+    buffers: list[str]
+    n_inputs: int
+    saved: list[str]
+    recomputed: list[str]
+    joint: LocalJoint
+
+    def code(self) -> str:
+        """The generated per-rank program as Python text."""
+        return f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
+
+
+def _random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def split(joint: LocalJoint) -> LocalProgram:
+    graph = joint.gm.graph
+    phase = joint.phase
+    params, buffers = list(joint.params.values()), list(joint.buffers.values())
+    persistent = set(params) | set(buffers)
+    tangents = set(joint.tangents)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    loss, *grads = out_node.args[0]
+
+    recomputable: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and phase[n] == "fwd" and not _random(n):
+            if all(a in persistent or a in recomputable for a in n.all_input_nodes):
+                recomputable.add(n)
+
+    def is_bwd(n: fx.Node) -> bool:
+        return n in tangents or (n.op == "call_function" and phase[n] == "bwd")
+
+    # Backward nodes the grads need, and the forward values they read.
+    live_bwd = _ancestors([g for g in grads if g is not None], stop=lambda n: not is_bwd(n))
+    saved: list[fx.Node] = []
+    recompute: set[fx.Node] = set()
+
+    def need(a: fx.Node) -> None:
+        if is_bwd(a) or a in recompute or a in saved:
+            return
+        if a in recomputable:
+            recompute.add(a)
+            for x in a.all_input_nodes:
+                need(x)
+        else:
+            saved.append(a)
+
+    for n in graph.nodes:
+        if n in live_bwd:
+            for a in n.all_input_nodes:
+                need(a)
+    for g in grads:
+        if g is not None and not is_bwd(g):
+            need(g)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    saved.sort(key=order.__getitem__)
+
+    fwd = _forward_graph(joint, loss, saved)
+    bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
+    return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
+                        n_inputs=len(joint.inputs), saved=[s.name for s in saved],
+                        recomputed=sorted((n.name for n in recompute), key=lambda x: x), joint=joint)
+
+
+def _ancestors(roots: list[fx.Node], stop) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if not stop(r)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if not stop(a))
+    return seen
+
+
+def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    new = dst.node_copy(node, lambda a: env[a])
+    new.meta = dict(node.meta)
+    env[node] = new
+    return new
+
+
+def _forward_graph(joint: LocalJoint, loss: fx.Node, saved: list[fx.Node]) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs]:
+        _copy(g, p, env)
+    live = _ancestors([loss, *saved], stop=lambda n: n.op == "placeholder")
+    for n in joint.gm.graph.nodes:
+        if n in live and n.op == "call_function":
+            _copy(g, n, env)
+    g.output((env[loss], *[env[s] for s in saved]))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.Node], live_bwd: set[fx.Node],
+                    grads: list) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        _copy(g, s, env) if s.op == "placeholder" else _as_placeholder(g, s, env)
+    for t in joint.tangents:
+        _copy(g, t, env)
+
+    def emit(n: fx.Node) -> None:
+        # Recomputed forward values are emitted lazily, right before their first backward use.
+        if n in env:
+            return
+        for a in n.all_input_nodes:
+            emit(a)
+        _copy(g, n, env)
+
+    for n in joint.gm.graph.nodes:
+        if n in live_bwd and n.op == "call_function":
+            for a in n.all_input_nodes:
+                if a in recompute:
+                    emit(a)
+            emit(n)
+    for gr in grads:
+        if gr is not None and gr not in env:
+            emit(gr)
+    g.output(tuple(env[gr] if gr is not None else None for gr in grads))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _as_placeholder(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    new = g.placeholder(node.name)
+    new.meta = {"val": node.meta.get("val")}
+    env[node] = new
+    return new

@@ -1,0 +1,285 @@
+"""A self-contained HTML report of a Plan, its plots embedded as base64 PNG (optionally also written as files).
+
+Plots draw on matplotlib `Figure` objects directly (Agg rendering, no pyplot), so writing a report never
+changes the caller's matplotlib backend or global state.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from typing import Any, Callable
+
+from matplotlib.figure import Figure
+from torch.distributed.tensor import Partial, Shard
+
+from autopar.inspect_fmt import (axis_layout, comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
+                                 group_transitions, mesh_text, pipeline_info)
+from autopar.layout import fmt
+
+_COLORS = {"R": "#d9d9d9", "P": "#c44e52", 0: "#4c72b0", 1: "#55a868", 2: "#8172b2", 3: "#64b5cd"}
+_MEM_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "master_weights": "#8172b2",
+               "activations": "#dd8452"}
+_TOP_OPS = 15
+
+
+def placement_color(p: Any) -> str:
+    if isinstance(p, Shard):
+        return _COLORS.get(p.dim, _COLORS[3])
+    if isinstance(p, Partial):
+        return _COLORS["P"]
+    return _COLORS["R"]
+
+
+# --- figures ----------------------------------------------------------------------------------------------------
+
+def placement_figure(plan: Any) -> Figure:
+    """One heatmap-style table per block: parameters down, mesh axes across, colored R / S(dim) / P."""
+    groups = group_params(plan)
+    axes_n = len(plan.mesh.axis_names)
+    heights = [max(1, len(rows)) for rows in groups.values()]
+    longest = max((len(n) for rows in groups.values() for n, _ in rows), default=10)
+    fig = Figure(figsize=(2.2 + 0.075 * longest + 1.1 * axes_n, 0.9 + 0.28 * sum(heights) + 0.5 * len(groups)))
+    axs = fig.subplots(len(groups), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    for ax, (title, rows) in zip(axs, groups.items()):
+        rows = sorted(rows)
+        for i, (_, key) in enumerate(rows):
+            for j, p in enumerate(plan.params[key]):
+                ax.add_patch(_rect(j, i, placement_color(p)))
+                ax.text(j + 0.5, i + 0.5, fmt(p), ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, axes_n)
+        ax.set_ylim(len(rows), 0)
+        ax.set_xticks([j + 0.5 for j in range(axes_n)], [f"{a} ({n})" for a, n in
+                                                          zip(plan.mesh.axis_names, plan.mesh.shape)])
+        ax.xaxis.tick_top()
+        ax.set_yticks([i + 0.5 for i in range(len(rows))], [n for n, _ in rows], fontsize=8)
+        ax.set_title(title, fontsize=9, loc="left", pad=18)
+        for s in ax.spines.values():
+            s.set_visible(False)
+        ax.tick_params(length=0)
+    fig.tight_layout()
+    return fig
+
+
+def _rect(x: float, y: float, color: str):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.03, y + 0.05), 0.94, 0.9, color=color)
+
+
+def memory_figure(plan: Any) -> Figure:
+    """Stacked per-rank memory (every rank holds the same under SPMD) against the limit."""
+    fig = Figure(figsize=(8, 2.4))
+    ax = fig.subplots()
+    left = 0.0
+    gib = 2**30
+    for k, v in plan.memory_breakdown.items():
+        if v:
+            ax.barh(["per rank"], [v / gib], left=left, color=_MEM_COLORS.get(k, "#999999"),
+                    label=f"{k.replace('_', ' ')} {fmt_bytes(v)}")
+            left += v / gib
+    peak = plan.peak_memory_per_rank / gib
+    limit = plan.memory_limit / gib if plan.memory_limit else None
+    if limit and limit <= 3 * max(peak, 1e-9):
+        ax.axvline(limit, color="black", linestyle="--", label=f"limit {fmt_bytes(plan.memory_limit)}")
+        ax.set_xlim(0, max(limit, peak) * 1.1)
+    elif limit:
+        ax.set_title(f"limit {fmt_bytes(plan.memory_limit)} per rank (off this scale)", fontsize=9, loc="right")
+    ax.set_xlabel("GiB per rank")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def comm_figure(plan: Any) -> Figure | None:
+    """Collective time per mesh axis, stacked by collective kind; bytes per axis when the simulation is there."""
+    entries = comm_entries(plan.cost_breakdown)
+    if not entries:
+        return None
+    sim = getattr(plan, "simulation", None)
+    volume = getattr(sim, "comm_bytes_by_axis", None) or {}
+    fig = Figure(figsize=(9 if volume else 6, 3))
+    axs = fig.subplots(1, 2 if volume else 1, squeeze=False)[0]
+    axes = [a for a in plan.mesh.axis_names if any(a == x for x, _ in entries)]
+    kinds = sorted({k for _, k in entries})
+    bottom = [0.0] * len(axes)
+    palette = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#dd8452"]
+    for i, kind in enumerate(kinds):
+        vals = [entries.get((a, kind), 0.0) * 1e3 for a in axes]
+        axs[0].bar(axes, vals, bottom=bottom, color=palette[i % len(palette)], label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    axs[0].set_ylabel("ms per step")
+    axs[0].set_title("collective time per axis", fontsize=9)
+    axs[0].legend(fontsize=8)
+    if volume:
+        names = list(volume)
+        axs[1].bar(names, [volume[n] / 2**20 for n in names], color="#64b5cd")
+        axs[1].set_ylabel("MiB per rank per step")
+        axs[1].set_title("communication volume per axis", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def top_ops_figure(plan: Any, n: int = _TOP_OPS) -> Figure | None:
+    ranked = [(k, v) for k, v in sorted(plan.nodes.items(), key=lambda kv: -kv[1].compute_s) if v.compute_s > 0][:n]
+    if not ranked:
+        return None
+    fig = Figure(figsize=(9, 0.8 + 0.3 * len(ranked)))
+    ax = fig.subplots()
+    labels = [_trim(k, 60) for k, _ in ranked]
+    ax.barh(labels[::-1], [v.compute_s * 1e3 for _, v in ranked][::-1], color="#4c72b0")
+    ax.set_xlabel("ms per step (all layers)")
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _trim(s: str, n: int) -> str:
+    return s if len(s) <= n else "..." + s[-(n - 3):]
+
+
+def timeline_figure(timeline: list, title: str, lanes: list[str] | None = None) -> Figure | None:
+    """Gantt chart of (lane, label, start_s, end_s) records."""
+    if not timeline:
+        return None
+    lanes = lanes or sorted({str(r[0]) for r in timeline})
+    fig = Figure(figsize=(11, 0.9 + 0.45 * len(lanes)))
+    ax = fig.subplots()
+    colors = {"compute": "#4c72b0", "comm": "#c44e52"}
+    for i, lane in enumerate(lanes):
+        spans = [(r[2] * 1e3, (r[3] - r[2]) * 1e3) for r in timeline if str(r[0]) == lane]
+        ax.broken_barh(spans, (i - 0.4, 0.8), color=colors.get(lane, _COLORS[i % 4]))
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
+# --- HTML -----------------------------------------------------------------------------------------------------
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
+
+
+def _placement_html(plan: Any) -> str:
+    names = plan.mesh.axis_names
+    head = "".join(f"<th>{html.escape(a)}</th>" for a in names)
+    out = [f'<table class="placement"><tr><th>parameter</th><th>numel</th>{head}</tr>']
+    for title, rows in group_params(plan).items():
+        out.append(f'<tr class="group"><td colspan="{2 + len(names)}">{html.escape(title)}</td></tr>')
+        for name, key in sorted(rows):
+            cells = "".join(f'<td style="background:{placement_color(p)}">{fmt(p)}</td>' for p in plan.params[key])
+            out.append(f'<tr class="param-row" data-key="{html.escape(key)}"><td>{html.escape(name)}</td>'
+                       f"<td>{fmt_count(plan.param_numel.get(key))}</td>{cells}</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px}
+th{background:#f3f3f3}tr.group td{font-weight:bold;background:#fafafa}img{max-width:100%}
+pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}.none{color:#666;font-style:italic}"""
+
+
+def build_sections(plan: Any) -> list[tuple[str, str, list[tuple[str, Figure | None]]]]:
+    """[(section title, html, [(figure name, figure)])] in report order."""
+    from autopar.inspect import format_plan, techniques_text
+
+    cb = plan.cost_breakdown
+    summary = _table(["", ""], [["mesh", mesh_text(plan)], ["device", plan.device],
+                                ["step time", fmt_time(plan.estimated_step_time)],
+                                ["compute / exposed comm / optimizer",
+                                 " / ".join(fmt_time(cb.get(k)) for k in ("compute_s", "exposed_comm_s", "optimizer_s"))],
+                                ["peak memory per rank", fmt_bytes(plan.peak_memory_per_rank)
+                                 + (f" of {fmt_bytes(plan.memory_limit)}" if plan.memory_limit else "")],
+                                ["techniques", techniques_text(plan)]], "summary")
+    sections = [("Summary", summary, []),
+                ("Placement map", _placement_html(plan), [("placement_map", placement_figure(plan))]),
+                ("Memory per rank", _table(["component", "bytes"], [[k, fmt_bytes(v)] for k, v in
+                                                                     plan.memory_breakdown.items()]),
+                 [("memory", memory_figure(plan))])]
+    groups = group_transitions(plan)
+    comm_html = _table(["collective", "on", "edges", "time"], [[g["steps"], g["kind"], g["edges"],
+                                                                 fmt_time(g["time_s"])] for g in groups[:20]])
+    if not groups:
+        comm_html = '<p class="none">No collectives: every tensor is where its consumers need it.</p>'
+    sections.append(("Communication", comm_html, [("communication", comm_figure(plan))]))
+    sections.append(("Top compute", "<p>Compute time per step of the largest ops (summed over layers).</p>",
+                     [("top_ops", top_ops_figure(plan))]))
+    sections.append(_fp8_section(plan))
+    sections.append(_pipeline_section(plan))
+    sections.append(_simulation_section(plan))
+    sections.append(("Full plan", f"<pre>{html.escape(format_plan(plan))}</pre>", []))
+    return sections
+
+
+def _fp8_section(plan: Any) -> tuple:
+    keys = fp8_nodes(plan)
+    if not keys:
+        return "FP8", '<p class="none">No FP8 matmuls chosen: every matmul runs in the compute dtype.</p>', []
+    rows = [[k, plan.nodes[k].op, fmt_time(plan.nodes[k].compute_s)] for k in keys]
+    return "FP8", _table(["node", "op", "compute"], rows), []
+
+
+def _pipeline_section(plan: Any) -> tuple:
+    info = pipeline_info(plan)
+    if info is None:
+        return "Pipeline", '<p class="none">No pipeline stages in this plan.</p>', []
+    text = _table(["", ""], [[k, str(v)] for k, v in info.items() if k != "timeline"])
+    fig = timeline_figure(info.get("timeline") or [], "pipeline schedule") if info.get("timeline") else None
+    return "Pipeline", text, [("pipeline", fig)]
+
+
+def _simulation_section(plan: Any) -> tuple:
+    sim = getattr(plan, "simulation", None)
+    if sim is None or not getattr(sim, "timeline", None):
+        return ("Simulated step", '<p class="none">No simulation attached (plans loaded from JSON carry none; '
+                "re-plan to get the timeline).</p>", [])
+    note = (f"<p>Compute and communication streams of one simulated step (first {len(sim.timeline)} events); "
+            f"exposed communication {fmt_time(sim.exposed_comm)}.</p>")
+    return "Simulated step", note, [("timeline", timeline_figure(sim.timeline, "simulated step",
+                                                                   ["compute", "comm"]))]
+
+
+def write_report(plan: Any, path: str | os.PathLike, png_dir: str | os.PathLike | None = None,
+                 title: str = "autopar plan report") -> list[str]:
+    """Write one self-contained HTML file; returns the names of the embedded plots (also `png_dir/<name>.png`)."""
+    sections = build_sections(plan)
+    if png_dir is not None:
+        os.makedirs(png_dir, exist_ok=True)
+    body, written = [], []
+    for head, text, figs in sections:
+        body.append(f"<h2>{html.escape(head)}</h2>{text}")
+        for name, fig in figs:
+            if fig is None:
+                continue
+            png = _png(fig)
+            body.append(_img(png, name))
+            written.append(name)
+            if png_dir is not None:
+                with open(os.path.join(png_dir, f"{name}.png"), "wb") as f:
+                    f.write(png)
+    doc = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+           f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>{''.join(body)}</body></html>")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc)
+    return written
+
+
+__all__ = ["write_report", "build_sections", "placement_figure", "memory_figure", "comm_figure", "top_ops_figure",
+           "timeline_figure", "placement_color"]

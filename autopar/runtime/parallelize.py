@@ -1,0 +1,220 @@
+"""parallelize(): capture the full graph, agree on one plan across ranks, generate this rank's program and
+wrap it with the model's weights as a ParallelModule."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.codegen import RankSpec, generate
+from autopar.config import Config
+from autopar.errors import PlanMismatchError
+from autopar.layout import divides, fmt_layout
+from autopar.plan import Plan
+from autopar.runtime.module import ParallelModule
+from autopar.runtime.state import empty_shard, init_meta, mesh_coords, shard_real
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def rank_spec(mesh: DeviceMesh) -> RankSpec:
+    names = tuple(mesh.mesh_dim_names)
+    groups = tuple(mesh.get_group(n).group_name for n in names)
+    return RankSpec(names, tuple(int(s) for s in mesh.mesh.shape), mesh_coords(mesh), groups, mesh.device_type)
+
+
+def _check_mesh(mesh: DeviceMesh, world: int) -> None:
+    if mesh.mesh_dim_names is None:
+        raise ValueError("the mesh needs axis names: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    if getattr(mesh, "_autopar_target_device", None) is not None:
+        raise ValueError("parallelize needs a real DeviceMesh over the job's ranks; a fake mesh only plans "
+                         "(use autopar.plan, or autopar.codegen.generate with RankSpec.fake to read the program)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("torch.distributed is not initialized: launch with torchrun and call "
+                         "dist.init_process_group before building the mesh")
+    if mesh.size() != world:
+        raise ValueError(f"the mesh has {mesh.size()} ranks {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} but "
+                         f"the job has {world}; build the mesh over every rank (init_device_mesh with a shape whose "
+                         "product is the world size)")
+
+
+def _reject_collectives(cap) -> None:
+    for node in cap.gm.graph.nodes:
+        ns = getattr(node.target, "namespace", None)
+        if node.op == "call_function" and ns in ("_c10d_functional", "c10d", "_c10d_functional_autograd",
+                                                  "_dtensor"):
+            raise ValueError(f"the model already communicates: {node.target} in {cap.module_of.get(node) or 'the root'} "
+                             f"({cap.names.get(node, node.name)}). autopar inserts every collective itself; pass the "
+                             "single-device model, without explicit collectives, DTensor or FSDP/TP wrappers")
+
+
+def check_plan(plan: Plan, ctx) -> None:
+    """Raise PlanMismatchError unless `plan` fits this capture: same mesh, and every node of the graph has a
+    plan entry with the same op whose layouts divide this graph's shapes."""
+    from autopar.passes.build_plan import fingerprint
+
+    mesh = ctx.mesh
+    if tuple(plan.mesh.axis_names) != tuple(mesh.axis_names) or tuple(plan.mesh.shape) != tuple(mesh.shape):
+        raise PlanMismatchError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
+                                f"parallelize got {dict(zip(mesh.axis_names, mesh.shape))}; re-plan for this mesh")
+    if plan.fingerprint == fingerprint(ctx):
+        return
+    cap = ctx.captured
+    for key, nodes in ctx.members.items():
+        node = nodes[0]
+        if node.op == "call_function" and node.target.__name__ == "getitem":
+            continue
+        np_ = plan.nodes.get(key)
+        op = key.split("/", 1)[0] if node.op == "placeholder" else str(node.target)
+        if np_ is None:
+            raise PlanMismatchError(f"the plan has no entry for {key} ({op}): it was made for another model (or "
+                                    "another depth, or a template capture); re-plan with this model")
+        if np_.op != op:
+            raise PlanMismatchError(f"the plan computes {key} with {np_.op}, this model with {op}: the plan was "
+                                    "made for another model; re-plan")
+        vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
+        for v, lay in zip(vals, np_.outs):
+            if isinstance(v, torch.Tensor) and not divides(tuple(v.shape), lay, mesh.shape):
+                raise PlanMismatchError(f"the plan lays out {key} as {fmt_layout(lay)}, which does not divide its "
+                                        f"shape {list(v.shape)} here: the inputs or model differ from the planned "
+                                        "ones; re-plan")
+    known = set(ctx.members)
+    extra = [k for k in plan.nodes if k not in known]
+    if extra:
+        raise PlanMismatchError(f"the plan has an entry for {extra[0]}, which this model lacks: it was made for "
+                                "another model; re-plan")
+    for fqn, node in cap.params.items():
+        want = plan.param_numel.get(ctx.key[node].split("/", 1)[1])
+        have = node.meta["val"].numel()
+        if want is not None and want != have:
+            raise PlanMismatchError(f"parameter {fqn} has {have} elements, the plan was made for {want}; re-plan")
+
+
+def _plan_here(ctx) -> Plan:
+    from autopar.passes import PASSES, annotate_shapes_pass, run_passes
+
+    run_passes(ctx.captured.gm, ctx, tuple(p for p in PASSES if p is not annotate_shapes_pass))
+    return ctx.plan
+
+
+def _agree_on_plan(ctx, plan: Plan | None, world: int, rank: int) -> Plan:
+    """Rank 0 plans (or checks the given plan) and broadcasts it; every rank checks what it received."""
+    from autopar.passes.build_plan import fingerprint
+
+    if plan is not None:
+        check_plan(plan, ctx)
+    if world == 1:
+        return plan if plan is not None else _plan_here(ctx)
+    msg: list[Any] = [None]
+    if rank == 0:
+        try:
+            p = plan if plan is not None else _plan_here(ctx)
+            msg = [("ok", p.to_json(), p.digest())]
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait forever
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}", None)], src=0)
+            raise
+    dist.broadcast_object_list(msg, src=0)
+    status, text, digest = msg[0]
+    if status != "ok":
+        raise RuntimeError(f"planning failed on rank 0: {text}")
+    got = Plan.from_json(text) if rank != 0 else (plan if plan is not None else ctx.plan)
+    if got.digest() != digest:
+        raise RuntimeError(f"rank {rank} received a plan whose digest {got.digest()} differs from rank 0's {digest}")
+    mine = fingerprint(ctx)
+    prints: list[Any] = [None] * world
+    dist.all_gather_object(prints, mine)
+    if len(set(prints)) != 1:
+        bad = [r for r, f in enumerate(prints) if f != prints[0]]
+        raise PlanMismatchError(f"ranks {bad} captured a different graph than rank 0 (model, inputs or loss differ "
+                                "across ranks); every rank must build the same model and pass the same example inputs")
+    if plan is None and got.fingerprint != mine:
+        raise PlanMismatchError(f"rank {rank}'s graph does not match the plan rank 0 made")
+    if plan is not None and rank != 0:
+        check_plan(got, ctx)
+    return got
+
+
+def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | None):
+    """DTensor params and buffers with the plan's layouts, from real weights or by init on the local shards."""
+    def layout(name: str) -> tuple:
+        np_ = plan.nodes.get(name) or plan.nodes[plan.key(name)]
+        return tuple(np_.outs[0])
+
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for names in by_id.values():
+        canon = next((n for n in names if n in cap.params), None)
+        if canon is not None and len(names) > 1:
+            aliases[canon] = [n for n in names if n != canon]
+    out: dict[str, tuple[str, Any]] = {}
+    real: dict[str, torch.Tensor] = {}
+    meta = False
+    for kind, table in (("param", cap.params), ("buffer", cap.buffers)):
+        for fqn, node in table.items():
+            t = model.get_parameter(fqn) if kind == "param" else model.get_buffer(fqn)
+            lay = layout(cap.names[node])
+            if t.is_meta:
+                meta = True
+                out[fqn] = (kind, empty_shard(t.shape, t.dtype, mesh, lay))
+            else:
+                real[fqn] = t
+                out[fqn] = (kind, shard_real(t, mesh, lay))
+    if meta:
+        done = init_meta(model, out, aliases, seed, mesh)
+        for fqn, t in real.items():  # weights the user gave win over the initializer
+            done[fqn] = shard_real(t, mesh, out[fqn][1].placements)
+    else:
+        done = {fqn: dt for fqn, (_, dt) in out.items()}
+    params = {f: done[f] for f in cap.params}
+    buffers = {f: done[f] for f in cap.buffers}
+    return params, buffers, aliases
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    out = set()
+    for mod_name, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            out.add(f"{mod_name}.{b}" if mod_name else b)
+    return out
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *,
+                example_kwargs: dict | None = None, loss_fn: Callable | None = None, config: Config | None = None,
+                plan: Plan | None = None, seed: int | None = None) -> ParallelModule:
+    """Parallelize `model` over `mesh` for training: returns a ParallelModule whose call runs this rank's
+    generated program and returns the loss.
+
+    Every rank calls this with the same model (same seed, or on the meta device) and example inputs. Without
+    `plan`, rank 0 plans on the full graph and broadcasts the plan. A meta-device model gets only its local
+    shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
+    """
+    from autopar.api import make_context
+    from autopar.passes import annotate_shapes_pass
+
+    config = config or Config()
+    world, rank = _world()
+    _check_mesh(mesh, world)
+    ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None)
+    cap = ctx.captured
+    _reject_collectives(cap)
+    annotate_shapes_pass(cap.gm, ctx)
+    plan = _agree_on_plan(ctx, plan, world, rank)
+    program = generate(plan, cap, rank_spec(mesh))
+    params, buffers, aliases = _tensors(model, cap, plan, mesh, seed)
+    input_specs = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in cap.inputs]
+    input_layouts = [tuple(plan.nodes.get(cap.names[n]) and plan.nodes[cap.names[n]].outs[0]
+                           or plan.nodes[plan.key(cap.names[n])].outs[0]) for n in cap.inputs]
+    leaves = [int(getattr(n.meta.get("desc"), "idx", i)) for i, n in enumerate(cap.inputs)]
+    requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params}
+    return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
+                          non_persistent=_non_persistent(model), input_specs=input_specs,
+                          input_layouts=input_layouts, input_leaves=leaves, requires_grad=requires_grad)

@@ -1,0 +1,1 @@
+"""Helpers shipped for tests (rule checks against real execution, distributed workers); import the submodules."""

@@ -1,0 +1,156 @@
+"""A pool of gloo CPU worker processes, started once and reused, that runs a function on every rank.
+
+    pool = get_pool(4)                       # cached: one pool per world size per Python process
+    results = pool.run(fn, plan_json, ...)   # fn(*args) on ranks 0..3, returns [result of rank 0, ...]
+
+`fn` must be importable by module and name (a module-level function) and its arguments and results
+picklable; ship plans as JSON. Each worker has `torch.distributed` initialized (gloo, localhost) and one
+intra-op thread. A function that fails on one rank fails the call with that rank's traceback; a call that
+does not finish within `timeout` seconds (a collective waiting for a rank that died) kills the pool.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+_POOLS: dict[int, "WorkerPool"] = {}
+
+
+class WorkerError(RuntimeError):
+    """A function raised on a worker rank."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    conn.send(("ready", rank))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - report every failure to the parent
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+    conn.close()
+
+
+class WorkerPool:
+    """`world_size` processes forming one gloo process group."""
+
+    def __init__(self, world_size: int, *, threads: int = 1, start_timeout: float = 120.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, threads), daemon=True)
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+        for rank, c in enumerate(self._conns):
+            if not c.poll(start_timeout):
+                self.close()
+                raise RuntimeError(f"worker {rank} of {world_size} did not start within {start_timeout:.0f} s")
+            c.recv()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+        """fn(*args, **kwargs) on every rank; the list of results by rank."""
+        if not self.alive:
+            raise RuntimeError("the worker pool is closed")
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            for rank in list(pending):
+                if self._conns[rank].poll(0.01):
+                    status, value = self._conns[rank].recv()
+                    pending.discard(rank)
+                    if status == "ok":
+                        results[rank] = value
+                    else:
+                        errors[rank] = value
+            if errors and pending:
+                # The other ranks may wait forever in a collective the failed rank never joins.
+                grace = time.monotonic() + 5.0
+                while pending and time.monotonic() < grace:
+                    for rank in list(pending):
+                        if self._conns[rank].poll(0.01):
+                            status, value = self._conns[rank].recv()
+                            pending.discard(rank)
+                            if status != "ok":
+                                errors[rank] = value
+                if pending:
+                    self.close()
+                break
+            if pending and time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on ranks {sorted(pending)} within "
+                                   f"{timeout:.0f} s; the pool was shut down")
+        if errors:
+            rank = min(errors)
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {rank} (ranks failing: "
+                              f"{sorted(errors)}):\n{errors[rank]}")
+        return results
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs, self._conns = [], []
+        for k, v in list(_POOLS.items()):
+            if v is self:
+                del _POOLS[k]
+
+
+def get_pool(world_size: int, **kwargs: Any) -> WorkerPool:
+    """The shared pool of this world size, started on first use (other sizes' pools stay up)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = WorkerPool(world_size, **kwargs)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+atexit.register(close_pools)
