@@ -187,7 +187,8 @@ def render(renderables: Iterable[Any], width: int = 100, color: bool = False) ->
     from rich.console import Console
 
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=color,
-                      color_system="truecolor" if color else None, soft_wrap=False, highlight=False)
+                      color_system="truecolor" if color else None, soft_wrap=False, highlight=False,
+                      markup=False, emoji=False)
     for r in renderables:
         console.print(r)
     text = console.export_text(styles=color)

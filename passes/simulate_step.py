@@ -46,7 +46,7 @@ def _out_layout(ctx: PassContext, node: fx.Node) -> tuple:
 def simulate(ctx: PassContext) -> Simulation:
     cap, mesh, hw = ctx.captured, ctx.mesh, ctx.hw
     gm = cap.gm
-    compute_free = comm_free = 0.0
+    compute_free = 0.0
     ready: dict[fx.Node, float] = {}
     total_compute = total_comm = 0.0
     comm_axis: dict[str, float] = collections.defaultdict(float)
@@ -55,23 +55,24 @@ def simulate(ctx: PassContext) -> Simulation:
     timeline = []
     grad_nodes = {producer(g)[0]: fqn for fqn, g in cap.grads.items()}
 
+    axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
+
     def comm(shape, dtype, src, dst, start, scale, label):
-        nonlocal comm_free, total_comm
-        steps = step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst))
-        t = sum(c for _, c in steps) * scale
-        if t == 0:
-            return start
-        for st, c in steps:
-            if st.is_comm:
-                ax = mesh.axis_names[st.axis]
-                comm_axis[f"{ax}:{st.kind}"] += c * scale
-                comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
-        begin = max(comm_free, start)
-        comm_free = begin + t
-        total_comm += t
-        if len(timeline) < 4000:
-            timeline.append(("comm", label, begin, comm_free))
-        return comm_free
+        nonlocal total_comm
+        t = start
+        for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)):
+            if not st.is_comm or c == 0:
+                continue
+            c *= scale
+            ax = mesh.axis_names[st.axis]
+            comm_axis[f"{ax}:{st.kind}"] += c
+            comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
+            begin = max(axis_free[st.axis], t)
+            t = axis_free[st.axis] = begin + c
+            total_comm += c
+            if len(timeline) < 4000:
+                timeline.append((f"comm:{ax}", label, begin, t))
+        return t
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -113,7 +114,7 @@ def simulate(ctx: PassContext) -> Simulation:
             comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[0], ctx.chosen(pkey).outs[0], compute_free,
                  _scale(ctx, cap.params[fqn])[1], f"grad {fqn}")
     opt = _optimizer_time(ctx)
-    step = max(compute_free, comm_free) + opt
+    step = max([compute_free] + axis_free) + opt
     memory, peak = _memory(ctx)
     top = sorted(node_time.items(), key=lambda kv: -kv[1])[:15]
     return Simulation(step_time=step, compute_time=total_compute, comm_time=total_comm,

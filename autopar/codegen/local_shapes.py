@@ -63,28 +63,24 @@ def rewrite(*targets):
     return deco
 
 
-def localize(site: OpSite, args: list, kwargs: dict) -> tuple[list, dict]:
+def localize(site: OpSite, args: list, kwargs: dict) -> tuple[Any, list, dict]:
+    """(target, args, kwargs) for this rank: the rules' shape-argument table first (autopar.rules.local_call),
+    then the checks and rewrites below for ops outside it."""
+    from autopar import rules
+    from autopar.rules.base import op_info
+
     fn = _REWRITES.get(site.node.target)
-    if fn is None:
-        return args, kwargs
-    return fn(site, list(args), dict(kwargs))
+    if fn is not None:
+        args, kwargs = fn(site, list(args), dict(kwargs))
+    target, args, kwargs = rules.local_call(op_info(site.node), args, kwargs, expected_local_shapes(site))
+    return target, list(args), dict(kwargs)
 
 
 def _is_sharded(site: OpSite) -> bool:
     return any(isinstance(p, Shard) for p in site.out_layouts[0]) if site.out_layouts else False
 
 
-# --- sizes taken from the output's local shape ----------------------------------------------------------
-@rewrite(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-         aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
-def _size_arg1(site, args, kwargs):
-    if "size" in kwargs:
-        kwargs["size"] = site.local_out()
-    else:
-        args[1] = site.local_out()
-    return args, kwargs
-
-
+# --- sizes taken from the output's local shape (views and new_* are in autopar.rules.SHAPE_ARGS) --------
 @rewrite(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
 def _size_arg0(site, args, kwargs):
     args[0] = site.local_out()
@@ -113,7 +109,7 @@ def _no_sharded_factory(site, args, kwargs):
 
 # --- ops that index along a dim: legal only when that dim is whole ------------------------------------
 def _whole_range(start, end, step, size) -> bool:
-    return (start in (None, 0)) and (step in (None, 1)) and (end is None or end >= size)
+    return start in (None, 0, -size) and step in (None, 1) and (end is None or end >= size)
 
 
 @rewrite(aten.slice.Tensor)
@@ -134,7 +130,6 @@ def _slice_backward(site, args, kwargs):
     dim, start, end, step = args[2], args[3], args[4], args[5]
     if site.sharded_out(0, dim) and not _whole_range(start, end, step, site.out_shapes[0][dim]):
         raise site.refuse(f"slice_backward [{start}:{end}:{step}] into sharded dim {dim}")
-    args[1] = site.local_out()
     return args, kwargs
 
 
@@ -146,7 +141,6 @@ def _select(site, args, kwargs):
         return args, kwargs
     if site.sharded_out(0, args[2]):
         raise site.refuse(f"select_backward along sharded dim {args[2]}")
-    args[1] = site.local_out()
     return args, kwargs
 
 

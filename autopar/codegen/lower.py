@@ -155,11 +155,11 @@ class _Lowering:
         args = [sub(a) for a in node.args]
         kwargs = {k: sub(v) for k, v in node.kwargs.items()}
         site = _site(node, name, np_, tensor_nodes, self.rank.axis_sizes)
-        args, kwargs = localize(site, args, kwargs)
+        target, args, kwargs = localize(site, args, kwargs)
         fake_kwargs = kwargs
         if self.rank.device != "cpu":
             kwargs = local_device_kwargs(kwargs, self.rank.device)
-        new = self.b.call(node.target, tuple(args), kwargs, phase=phase, name=node.name, fake_kwargs=fake_kwargs)
+        new = self.b.call(target, tuple(args), kwargs, phase=phase, name=node.name, fake_kwargs=fake_kwargs)
         _check_shapes(site, new)
         return new
 

@@ -59,8 +59,8 @@ _HOPPER_FLOPS = {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 6
 
 HARDWARE: dict[str, HardwareSpec] = {
     "a100": HardwareSpec("a100", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-                         hbm_bandwidth=2.039e12, memory_bytes=80e9, links=_gpu_links(300e9)),
-    "h100": HardwareSpec("h100", dict(_HOPPER_FLOPS), hbm_bandwidth=3.35e12, memory_bytes=80e9,
+                         hbm_bandwidth=2.039e12, memory_bytes=80 * 2**30, links=_gpu_links(300e9)),
+    "h100": HardwareSpec("h100", dict(_HOPPER_FLOPS), hbm_bandwidth=3.35e12, memory_bytes=80 * 2**30,
                          links=_gpu_links(450e9)),
     "h200": HardwareSpec("h200", dict(_HOPPER_FLOPS), hbm_bandwidth=4.8e12, memory_bytes=141e9,
                          links=_gpu_links(450e9)),

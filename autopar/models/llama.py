@@ -80,14 +80,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            # Grouped-query attention: each kv head serves `rep` query heads.
-            k = k.unsqueeze(2).expand(bsz, self.n_kv_heads, rep, seq, self.head_dim)
-            k = k.reshape(bsz, self.n_heads, seq, self.head_dim)
-            v = v.unsqueeze(2).expand(bsz, self.n_kv_heads, rep, seq, self.head_dim)
-            v = v.reshape(bsz, self.n_heads, seq, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention in the kernel: each kv head serves n_heads // n_kv_heads query heads,
+        # without materializing repeated k and v.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
