@@ -161,7 +161,7 @@ def _decompositions() -> dict:
     # Loss reductions become sum / count so a sharded batch reduces exactly (uneven ignore_index too).
     aten = torch.ops.aten
     return get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
-                               aten.nll_loss2d_backward])
+                               aten.nll_loss2d_backward, aten.mse_loss, aten.mse_loss_backward])
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,

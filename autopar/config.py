@@ -19,8 +19,8 @@ class SolverConfig:
     # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory
     # transaction and run far below the roofline the cost model assumes; 1 on CPU).
     min_inner_shard: int | None = None
-    # Drop strategies that feed Partial values into multi-input ops (add(P, P) -> P, mul(P, R) -> P): they
-    # only postpone a reduction by one op and roughly double the edge variables of the program.
+    # Drop strategies of multi-input ops that only forward a pending reduction (add(P, P) -> P,
+    # mul(P, R) -> P): they postpone a reduction by one op and roughly double the program's edge variables.
     prune_partial_inputs: bool = True
 
 

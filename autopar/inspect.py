@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.inspect_explain import diff, explain
 from autopar.inspect_fmt import (TOP_LEVEL, axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
-                                 fp8_nodes, group_params, group_transitions, is_replicate, mesh_text, node_module,
+                                 fp8_nodes, group_params, group_transitions, instances, mesh_text, node_module,
                                  param_weight, pipeline_info, render, shard_factor)
 
 __all__ = ["format_plan", "format_summary", "explain", "diff", "techniques", "TECHNIQUES"]
@@ -124,6 +124,9 @@ def _header(plan: Any) -> Table:
     if plan.inputs:
         g.add_row("inputs", "; ".join(f"#{i} {axis_layout(plan.mesh.axis_names, lay)}"
                                       for i, lay in enumerate(plan.inputs)))
+    if plan.solver_stats.get("recipe"):
+        note = plan.solver_stats.get("recipe_note")
+        g.add_row("recipe", plan.solver_stats["recipe"] + (f" ({note})" if note else ""))
     solver = _solver_text(plan)
     if solver:
         g.add_row("solver", solver)
@@ -155,7 +158,8 @@ def _solver_text(plan: Any) -> str:
 def params_table(plan: Any) -> Table:
     names = plan.mesh.axis_names
     total = sum(param_weight(plan, k) for k in plan.params)
-    t = Table(title=f"Parameters: {len(plan.params)} tensors per layer kind, {fmt_count(total)} elements",
+    tensors = sum(instances(plan, k) for k in plan.params)
+    t = Table(title=f"Parameters ({tensors} tensors, {fmt_count(total)} elements)",
               box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     t.add_column("parameter")
     t.add_column("numel", justify="right")

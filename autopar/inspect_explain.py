@@ -21,24 +21,24 @@ def resolve(plan: Any, name: str) -> tuple[str, str]:
     """("param" | "node", plan key) for a parameter FQN, a node key, or a unique suffix or module of either;
     block indices (`layers.3.`) and `param/` prefixes are accepted."""
     raw = name.strip()
-    for cand in (raw, raw.removeprefix("param/")):
-        key = plan.key(cand)
-        if key in plan.params:
-            return "param", key
-        if key in plan.nodes:
-            return "node", key
     key = plan.key(raw.removeprefix("param/"))
-    params = [k for k in plan.params if k.endswith("." + key) or k.startswith(key + ".")]
+    if key in plan.params:
+        return "param", key
+    if plan.key(raw) in plan.nodes:
+        return "node", plan.key(raw)
+    key = plan.key(raw.removeprefix("param/"))
+    # A partial name matches whole dotted segments: `wq` and `attention.wq` find `layers.*.attention.wq.weight`.
+    params = [k for k in plan.params if f".{key}." in f".{k}."]
     if len(params) == 1:
         return "param", params[0]
     nodes = [k for k in plan.nodes if not k.startswith(("param/", "input/", "buffer/", "tangent/"))
-             and (k.endswith("/" + key) or k.startswith(key + "/") or k.endswith("." + key))]
+             and (k.endswith(("/" + key, "." + key)) or f".{key}/" in f".{k}")]
     if not params and len(nodes) == 1:
         return "node", nodes[0]
     if params or nodes:
-        shown = (params + nodes)[:12]
-        raise ValueError(f"{name!r} matches {len(params) + len(nodes)} plan entries; name one of: "
-                         + ", ".join(shown) + (" ..." if len(params) + len(nodes) > 12 else ""))
+        found = params or nodes
+        raise ValueError(f"{name!r} matches {len(found)} {'parameters' if params else 'nodes'}; name one of: "
+                         + ", ".join(found[:12]) + (" ..." if len(found) > 12 else ""))
     close = difflib.get_close_matches(key, list(plan.params) + list(plan.nodes), n=5, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see the parameter names in str(plan)"
     raise ValueError(f"{name!r} is neither a parameter nor a node of this plan{hint}")

@@ -95,14 +95,25 @@ def _ways(mesh: Any, axes: Sequence[str]) -> int:
 
 # --- recipes --------------------------------------------------------------------------------------------------
 
-def ddp(params: Params, mesh: Any, *, axes: Sequence[str] | None = None, n_inputs: int = 1) -> dict:
+def ddp(params: Params, mesh: Any, *, axes: Sequence[str] | None = None, n_inputs: int = 1,
+        pin_activations: bool = True) -> dict:
     """DistributedDataParallel: every parameter replicated, the batch split over the data axes."""
     axes = list(axes) if axes is not None else data_axes(mesh)
     _need(axes, "ddp")
-    return {"pins": {k: _layout(mesh, {}) for k in _shapes(params)}, "input_placements": _inputs(mesh, axes, n_inputs)}
+    pins = {k: _layout(mesh, {}) for k in _shapes(params)}
+    if pin_activations:
+        pins.update(_batch_matmuls(mesh, axes))
+    return {"pins": pins, "input_placements": _inputs(mesh, axes, n_inputs)}
 
 
-def fsdp(params: Params, mesh: Any, *, axes: Sequence[str] | None = None, n_inputs: int = 1) -> dict:
+def _batch_matmuls(mesh: Any, axes: Sequence[str]) -> dict[str, tuple]:
+    # Data parallelism computes every forward matmul on the local batch; without this pin the solver may
+    # gather a small batch and compute replicated, which is not what the recipe does.
+    return {"act:*/fwd/*mm*": _layout(mesh, {a: Shard(0) for a in axes})}
+
+
+def fsdp(params: Params, mesh: Any, *, axes: Sequence[str] | None = None, n_inputs: int = 1,
+         pin_activations: bool = True) -> dict:
     """ZeRO-3 / FSDP: every parameter sharded on its largest evenly divisible dim over the data axes."""
     axes = list(axes) if axes is not None else data_axes(mesh)
     _need(axes, "fsdp")
@@ -111,11 +122,13 @@ def fsdp(params: Params, mesh: Any, *, axes: Sequence[str] | None = None, n_inpu
     for k, shape in _shapes(params).items():
         d = _shard_dim(shape, ways)
         pins[k] = _layout(mesh, {a: Shard(d) for a in axes} if d is not None else {})
+    if pin_activations:
+        pins.update(_batch_matmuls(mesh, axes))
     return {"pins": pins, "input_placements": _inputs(mesh, axes, n_inputs)}
 
 
 def hsdp(params: Params, mesh: Any, *, replicate: str | None = None, shard: str | None = None,
-         n_inputs: int = 1) -> dict:
+         n_inputs: int = 1, pin_activations: bool = True) -> dict:
     """Hybrid sharded data parallel: replicate over one data axis (across nodes), shard over another."""
     axes = data_axes(mesh)
     if replicate is None or shard is None:
@@ -126,16 +139,20 @@ def hsdp(params: Params, mesh: Any, *, replicate: str | None = None, shard: str 
     for a in (replicate, shard):
         if a not in mesh.axis_names:
             raise RecipeError(f"hsdp: axis {a!r} is not in the mesh {list(mesh.axis_names)}")
-    out = fsdp(params, mesh, axes=[shard], n_inputs=n_inputs)
+    out = fsdp(params, mesh, axes=[shard], n_inputs=n_inputs, pin_activations=False)
     out["input_placements"] = _inputs(mesh, [replicate, shard], n_inputs)
+    if pin_activations:
+        out["pins"].update(_batch_matmuls(mesh, [replicate, shard]))
     return out
 
 
 def megatron(params: Params, mesh: Any, *, tp: str | None = None, axes: Sequence[str] | None = None,
-             sequence_parallel: bool = False, n_inputs: int = 1) -> dict:
+             sequence_parallel: bool = False, n_inputs: int = 1, pin_activations: bool = True) -> dict:
     """Megatron-LM tensor parallelism over the tp axis: wq/wk/wv/w1/w3 column-parallel Shard(0), wo/w2 row-parallel
     Shard(1), embeddings, output and norms replicated; data parallel (replicated params) over the other axes.
-    With `sequence_parallel`, norm and residual activations are split on the sequence dim over tp."""
+    With `sequence_parallel`, norm and residual activations are split on the sequence dim over tp.
+    `pin_activations` also fixes the forward matmul outputs (column-parallel: split on features; row-parallel:
+    partial sums), so the solver cannot quietly gather the weights instead."""
     tp = tp or tensor_axis(mesh)
     axes = list(axes) if axes is not None else data_axes(mesh, exclude=[tp])
     pins = {}
@@ -151,9 +168,28 @@ def megatron(params: Params, mesh: Any, *, tp: str | None = None, axes: Sequence
     if not n_tp:
         raise RecipeError("megatron: no Llama-style projections (wq/wk/wv/wo, w1/w2/w3 or q_proj/.../down_proj) "
                           "found among the parameters")
+    acts = {}
     if sequence_parallel:
-        pins.update(_sp_pins(mesh, tp, axes, _block_prefixes(pins)))
+        acts.update(_sp_pins(mesh, tp, axes, _block_prefixes(pins)))
+    if pin_activations:
+        acts.update(_tp_matmuls(mesh, tp, axes, pins))
+    pins.update(acts)
     return {"pins": pins, "input_placements": _inputs(mesh, axes, n_inputs)}
+
+
+def _tp_matmuls(mesh: Any, tp: str, axes: Sequence[str], pins: Mapping[str, tuple]) -> dict[str, tuple]:
+    from torch.distributed.tensor import Partial
+
+    out = {}
+    batch = {a: Shard(0) for a in axes}
+    for k in pins:
+        role = _tp_role(k)
+        if role is None or not k.endswith(".weight"):
+            continue
+        module = k.rsplit(".", 1)[0].replace("*", "[*]")  # `[*]`: the literal `*` of block-relative keys
+        out[f"act:{module}/fwd/*mm*"] = _layout(mesh, {**batch, tp: Shard(1) if role == "colwise" else Partial()})
+    out.update(_batch_matmuls(mesh, axes) if axes else {})
+    return out
 
 
 def _sp_pins(mesh: Any, tp: str, axes: Sequence[str], prefixes: Sequence[str]) -> dict[str, tuple]:
@@ -170,13 +206,14 @@ def _block_prefixes(pins: Mapping[str, Any]) -> list[str]:
 
 
 def fsdp_tp(params: Params, mesh: Any, *, tp: str | None = None, axes: Sequence[str] | None = None,
-            sequence_parallel: bool = False, n_inputs: int = 1) -> dict:
+            sequence_parallel: bool = False, n_inputs: int = 1, pin_activations: bool = True) -> dict:
     """FSDP over the data axes on top of Megatron TP: each tensor-split weight is also sharded over the data axes
     on its other dim; replicated ones on their largest divisible dim."""
     tp = tp or tensor_axis(mesh)
     axes = list(axes) if axes is not None else data_axes(mesh, exclude=[tp])
     _need(axes, "fsdp+tp")
-    out = megatron(params, mesh, tp=tp, axes=axes, sequence_parallel=sequence_parallel, n_inputs=n_inputs)
+    out = megatron(params, mesh, tp=tp, axes=axes, sequence_parallel=sequence_parallel, n_inputs=n_inputs,
+                   pin_activations=pin_activations)
     shapes = _shapes(params)
     ways = _ways(mesh, axes)
     for k, lay in out["pins"].items():
@@ -246,6 +283,8 @@ class CompareResult:
         return {r.name: r.plan for r in self.rows if r.plan is not None}
 
     def table(self, width: int = 110) -> str:
+        from autopar.inspect_compare import compare_table
+
         return compare_table(self, width)
 
     def __str__(self) -> str:
@@ -274,84 +313,89 @@ def compare_plans(plan: Any, recipe_plans: Mapping[str, Any], *, memory_limit: i
 def compare(model: Any, mesh: Any, example_inputs: Sequence[Any], *, loss_fn: Callable | None = None,
             config: Any = None, recipes: Sequence[str] = ("ddp", "fsdp", "megatron", "fsdp+tp"), plan: Any = None,
             example_kwargs: dict | None = None, progress: Callable[[str], None] | None = None) -> CompareResult:
-    """Plan `model` with each recipe's pins under the same cost model and compare with the solver's plan."""
+    """Plan `model` with each recipe's pins under the same cost model and compare with the solver's plan
+    (planned here unless given). A recipe that cannot run becomes a row with the reason."""
+    import autopar
+    from autopar.config import Config
+
+    config = config or Config()
+    if plan is None:
+        _say(progress, "planning with the solver")
+        # The caller's progress display is live; a second one inside autopar.plan would clash with it.
+        plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                            config=_quiet(config) if progress else config)
+    results: dict[str, Any] = {}
+    for name in recipes:
+        _say(progress, f"planning recipe {name}")
+        results[name] = _run_recipe(name, model, mesh, example_inputs, example_kwargs, loss_fn, config,
+                                    plan.memory_limit)
+    return compare_plans(plan, results, memory_limit=plan.memory_limit)
+
+
+def plan_recipe(name: str, model: Any, mesh: Any, example_inputs: Sequence[Any], *, loss_fn: Callable | None = None,
+                config: Any = None, example_kwargs: dict | None = None, quiet: bool = False) -> Any:
+    """autopar.plan with a recipe's pins. When the recipe's activation pins do not fit the model's graph (other op
+    names or shapes), plans with its weight pins alone and says so in `plan.solver_stats["recipe_note"]`."""
     import autopar
     from autopar.config import Config
     from autopar.mesh import mesh_spec
 
     config = config or Config()
+    config = _quiet(config) if quiet else config
     spec = mesh_spec(mesh, dict(config.links) if config.links else None)
-    if plan is None:
-        _say(progress, "planning with the solver")
-        plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-                            config=config)
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
-    n_inputs = sum(1 for x in example_inputs if hasattr(x, "shape"))
-    batch = next((x.shape[0] for x in example_inputs if hasattr(x, "shape") and x.dim() > 0), None)
-    results: dict[str, Any] = {}
-    for name in recipes:
-        _say(progress, f"planning recipe {name}")
+    tensors = [x for x in example_inputs if hasattr(x, "shape")]
+    batch = next((x.shape[0] for x in tensors if x.dim() > 0), None)
+
+    def run(acts: bool):
+        pinned = config.with_(**_recipe_config(name, shapes, spec, len(tensors), batch, acts))
+        return autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                            config=pinned)
+
+    note = ""
+    try:
+        p = run(True)
+    except ValueError as e:
+        if "pin 'act:" not in str(e):
+            raise
+        p = run(False)
+        note = "weights pinned only (activation pins did not apply to this model)"
+    p.solver_stats["recipe"] = name
+    if note:
+        p.solver_stats["recipe_note"] = note
+    return p
+
+
+def _run_recipe(name, model, mesh, inputs, kwargs, loss_fn, config, limit: int) -> CompareRow:
+    args = dict(loss_fn=loss_fn, example_kwargs=kwargs, quiet=True)
+    try:
         try:
-            pinned = config.with_(**_recipe_config(name, shapes, spec, n_inputs, batch))
-            results[name] = _plan_recipe(name, model, mesh, example_inputs, example_kwargs, loss_fn, pinned,
-                                         plan.memory_limit)
-        except AutoparError as e:  # includes RecipeError and InfeasibleMemoryError
-            results[name] = CompareRow(name, None, _one_line(e))
-        except ValueError as e:
-            results[name] = CompareRow(name, None, _one_line(e))
-    return compare_plans(plan, results, memory_limit=plan.memory_limit)
+            p = plan_recipe(name, model, mesh, inputs, config=config, **args)
+        except InfeasibleMemoryError:
+            # Price it without the bound, to say how much memory the recipe would need.
+            p = plan_recipe(name, model, mesh, inputs, config=config.with_(memory_limit_gb=1e9), **args)
+            p.memory_limit = limit
+    except ValueError as e:  # includes RecipeError and every AutoparError
+        return CompareRow(name, None, _one_line(e))
+    return CompareRow(name, p, p.solver_stats.get("recipe_note", ""))
 
 
-def _recipe_config(name: str, shapes: dict, spec: Any, n_inputs: int, batch: int | None) -> dict:
+def _recipe_config(name: str, shapes: dict, spec: Any, n_inputs: int, batch: int | None, acts: bool) -> dict:
     fn = recipe(name)
     if name in ("ddp", "fsdp") and batch and batch % spec.size == 0:
         # Pure data parallelism uses the whole mesh when the batch splits over every rank.
-        return fn(shapes, spec, axes=list(spec.axis_names), n_inputs=n_inputs)
-    out = fn(shapes, spec, n_inputs=n_inputs)
+        return fn(shapes, spec, axes=list(spec.axis_names), n_inputs=n_inputs, pin_activations=acts)
+    out = fn(shapes, spec, n_inputs=n_inputs, pin_activations=acts)
     ways = 1
     for a, p in zip(spec.axis_names, out["input_placements"].get(0, ())):
         ways *= spec.axis_size(a) if isinstance(p, Shard) else 1
     if batch and batch % ways:
-        raise RecipeError(f"batch {batch} does not split {ways} ways over the data axes")
+        raise RecipeError(f"{name}: batch {batch} does not split {ways} ways over the data axes")
     return out
 
 
-def _plan_recipe(name, model, mesh, example_inputs, example_kwargs, loss_fn, config, limit: int) -> CompareRow:
-    import autopar
-
-    quiet = config.with_(solver=dataclasses.replace(config.solver, show_progress=False))
-    try:
-        p = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, config=quiet)
-        return CompareRow(name, p)
-    except InfeasibleMemoryError:
-        # Price it without the bound, to say how much memory the recipe would need.
-        p = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-                         config=quiet.with_(memory_limit_gb=1e9))
-        p.memory_limit = limit
-        return CompareRow(name, p)
-
-
-def compare_table(result: CompareResult, width: int = 110) -> str:
-    """The comparison as a text table: one row per plan, the solver's first."""
-    from rich import box
-    from rich.table import Table
-
-    from autopar.inspect import techniques_text
-    from autopar.inspect_fmt import fmt_bytes, fmt_time, render
-
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
-              title="Solver plan vs hand-written recipes (same cost model)"
-              + (f"; memory limit {fmt_bytes(result.memory_limit)} per rank" if result.memory_limit else ""))
-    for col in ("plan", "step time", "exposed comm", "peak memory/rank", "fits", "vs solver", "techniques / note"):
-        t.add_column(col, justify="left" if col in ("plan", "techniques / note") else "right")
-    for r in result.rows:
-        if r.plan is None:
-            t.add_row(r.name, "-", "-", "-", "-", "-", f"not run: {r.reason}")
-            continue
-        note = techniques_text(r.plan) + (f"; {r.reason}" if r.reason else "")
-        t.add_row(r.name, fmt_time(r.step_time), fmt_time(r.exposed_comm), fmt_bytes(r.peak_memory),
-                  "yes" if r.fits else "NO", f"{r.ratio:.2f}x" if r.ratio is not None else "-", note)
-    return render([t], width=width)
+def _quiet(config: Any) -> Any:
+    return config.with_(solver=dataclasses.replace(config.solver, show_progress=False))
 
 
 def _one_line(e: BaseException) -> str:
@@ -364,5 +408,5 @@ def _say(progress: Callable[[str], None] | None, msg: str) -> None:
         progress(msg)
 
 
-__all__ = ["ddp", "fsdp", "hsdp", "megatron", "fsdp_tp", "RECIPES", "recipe", "compare", "compare_plans",
+__all__ = ["ddp", "fsdp", "hsdp", "megatron", "fsdp_tp", "RECIPES", "recipe", "plan_recipe", "compare", "compare_plans",
            "CompareResult", "CompareRow", "RecipeError", "tensor_axis", "data_axes", "glob_of"]

@@ -24,6 +24,13 @@ _MEM_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", 
 _TOP_OPS = 15
 
 
+def time_unit(max_s: float) -> tuple[float, str]:
+    """(multiplier, label) that puts `max_s` seconds in a readable range."""
+    if max_s >= 1:
+        return 1.0, "s"
+    return (1e3, "ms") if max_s >= 1e-3 else (1e6, "us")
+
+
 def placement_color(p: Any) -> str:
     if isinstance(p, Shard):
         return _COLORS.get(p.dim, _COLORS[3])
@@ -73,20 +80,20 @@ def memory_figure(plan: Any) -> Figure:
     fig = Figure(figsize=(8, 2.4))
     ax = fig.subplots()
     left = 0.0
-    gib = 2**30
+    scale, unit = (2**30, "GiB") if max(plan.peak_memory_per_rank, plan.memory_limit or 0) >= 2**30 else (2**20, "MiB")
     for k, v in plan.memory_breakdown.items():
         if v:
-            ax.barh(["per rank"], [v / gib], left=left, color=_MEM_COLORS.get(k, "#999999"),
+            ax.barh(["per rank"], [v / scale], left=left, color=_MEM_COLORS.get(k, "#999999"),
                     label=f"{k.replace('_', ' ')} {fmt_bytes(v)}")
-            left += v / gib
-    peak = plan.peak_memory_per_rank / gib
-    limit = plan.memory_limit / gib if plan.memory_limit else None
+            left += v / scale
+    peak = plan.peak_memory_per_rank / scale
+    limit = plan.memory_limit / scale if plan.memory_limit else None
     if limit and limit <= 3 * max(peak, 1e-9):
         ax.axvline(limit, color="black", linestyle="--", label=f"limit {fmt_bytes(plan.memory_limit)}")
         ax.set_xlim(0, max(limit, peak) * 1.1)
     elif limit:
         ax.set_title(f"limit {fmt_bytes(plan.memory_limit)} per rank (off this scale)", fontsize=9, loc="right")
-    ax.set_xlabel("GiB per rank")
+    ax.set_xlabel(f"{unit} per rank")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
     fig.tight_layout()
     return fig
@@ -101,20 +108,20 @@ def comm_figure(plan: Any) -> Figure | None:
     volume = getattr(sim, "comm_bytes_by_axis", None) or {}
     fig = Figure(figsize=(9 if volume else 6, 3))
     axs = fig.subplots(1, 2 if volume else 1, squeeze=False)[0]
-    axes = [a for a in plan.mesh.axis_names if any(a == x for x, _ in entries)]
+    axes = list(plan.mesh.axis_names)
     kinds = sorted({k for _, k in entries})
     bottom = [0.0] * len(axes)
     palette = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#dd8452"]
+    scale, unit = time_unit(max(sum(v for (a, _), v in entries.items() if a == x) for x in axes))
     for i, kind in enumerate(kinds):
-        vals = [entries.get((a, kind), 0.0) * 1e3 for a in axes]
+        vals = [entries.get((a, kind), 0.0) * scale for a in axes]
         axs[0].bar(axes, vals, bottom=bottom, color=palette[i % len(palette)], label=kind)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    axs[0].set_ylabel("ms per step")
+    axs[0].set_ylabel(f"{unit} per step")
     axs[0].set_title("collective time per axis", fontsize=9)
     axs[0].legend(fontsize=8)
     if volume:
-        names = list(volume)
-        axs[1].bar(names, [volume[n] / 2**20 for n in names], color="#64b5cd")
+        axs[1].bar(axes, [volume.get(a, 0.0) / 2**20 for a in axes], color="#64b5cd")
         axs[1].set_ylabel("MiB per rank per step")
         axs[1].set_title("communication volume per axis", fontsize=9)
     fig.tight_layout()
@@ -128,8 +135,9 @@ def top_ops_figure(plan: Any, n: int = _TOP_OPS) -> Figure | None:
     fig = Figure(figsize=(9, 0.8 + 0.3 * len(ranked)))
     ax = fig.subplots()
     labels = [_trim(k, 60) for k, _ in ranked]
-    ax.barh(labels[::-1], [v.compute_s * 1e3 for _, v in ranked][::-1], color="#4c72b0")
-    ax.set_xlabel("ms per step (all layers)")
+    scale, unit = time_unit(ranked[0][1].compute_s)
+    ax.barh(labels[::-1], [v.compute_s * scale for _, v in ranked][::-1], color="#4c72b0")
+    ax.set_xlabel(f"{unit} per step (all layers)")
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     return fig
@@ -143,16 +151,18 @@ def timeline_figure(timeline: list, title: str, lanes: list[str] | None = None) 
     """Gantt chart of (lane, label, start_s, end_s) records."""
     if not timeline:
         return None
-    lanes = lanes or sorted({str(r[0]) for r in timeline})
+    seen = sorted({str(r[0]) for r in timeline}, key=lambda x: (x != "compute", x))
+    lanes = list(lanes or []) + [x for x in seen if x not in (lanes or [])]
     fig = Figure(figsize=(11, 0.9 + 0.45 * len(lanes)))
     ax = fig.subplots()
-    colors = {"compute": "#4c72b0", "comm": "#c44e52"}
+    scale, unit = time_unit(max(r[3] for r in timeline))
     for i, lane in enumerate(lanes):
-        spans = [(r[2] * 1e3, (r[3] - r[2]) * 1e3) for r in timeline if str(r[0]) == lane]
-        ax.broken_barh(spans, (i - 0.4, 0.8), color=colors.get(lane, _COLORS[i % 4]))
+        spans = [(r[2] * scale, (r[3] - r[2]) * scale) for r in timeline if str(r[0]) == lane]
+        color = "#4c72b0" if lane == "compute" else "#c44e52" if lane.startswith("comm") else _COLORS[i % 4]
+        ax.broken_barh(spans, (i - 0.4, 0.8), color=color)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlabel("ms")
+    ax.set_xlabel(unit)
     ax.set_title(title, fontsize=9, loc="left")
     fig.tight_layout()
     return fig
@@ -252,8 +262,8 @@ def _simulation_section(plan: Any) -> tuple:
                 "re-plan to get the timeline).</p>", [])
     note = (f"<p>Compute and communication streams of one simulated step (first {len(sim.timeline)} events); "
             f"exposed communication {fmt_time(sim.exposed_comm)}.</p>")
-    return "Simulated step", note, [("timeline", timeline_figure(sim.timeline, "simulated step",
-                                                                   ["compute", "comm"]))]
+    return "Simulated step", note, [("timeline", timeline_figure(sim.timeline, "simulated step (compute stream and "
+                                                                               "one communication stream per axis)"))]
 
 
 def write_report(plan: Any, path: str | os.PathLike, png_dir: str | os.PathLike | None = None,

@@ -87,7 +87,7 @@ def _roles(gm: fx.GraphModule, ctx: PassContext) -> None:
         if node.op != "call_function":
             continue
         ins = node.all_input_nodes
-        if ins and all(a in params or a in ctx.param_derived for a in ins) and cap.phase[node] == "fwd":
+        if ins and all(a in params or a in ctx.param_derived for a in ins):
             ctx.param_derived.add(node)
     for node in gm.graph.nodes:
         if node.op == "call_function" and cap.phase[node] == "fwd" and node not in ctx.param_derived:
@@ -138,9 +138,10 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
         for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
                               if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
             u, out = producer(a)
-            kind = "param" if u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values()) else "activation"
+            is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
+            kind = "param" if is_param or u in ctx.param_derived else "activation"
             count = _edge_scale(ctx, u, v)
-            if kind == "param" and v in ctx.param_derived and _feeds_backward(v, ctx):
+            if is_param and cap.phase[v] == "fwd" and v in ctx.param_derived and _feeds_backward(v, ctx):
                 count *= 2  # FSDP-style: gathered again in backward instead of being kept alive
             add(u, out, ctx.key[v], i, count, kind, info.inputs[i])
     for fqn, g in cap.grads.items():

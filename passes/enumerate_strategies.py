@@ -65,14 +65,23 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
             continue
         if any(isinstance(pl, Partial) and pl.reduce_op != "sum" for lay in ins for pl in lay):
             continue  # avg-partials become sum-partials by a free local rescale: one partial kind per input
-        if ctx.config.solver.prune_partial_inputs and len(ins) > 1 and any(
-                isinstance(pl, Partial) for lay in ins for pl in lay):
+        if ctx.config.solver.prune_partial_inputs and len(ins) > 1 and _passes_partial_through(ins):
             continue
         s = NodeStrategy(ins, outs)
         if s not in seen:
             seen.add(s)
             out.append(s)
     return out
+
+
+def _passes_partial_through(ins) -> bool:
+    """On some axis an input is Partial and none is sharded: the op only forwards a pending reduction
+    (add(P, P), mul(P, R)); a contraction with a Partial addend (addmm's bias) does not count."""
+    for a in range(len(ins[0])):
+        col = [lay[a] for lay in ins]
+        if any(isinstance(p, Partial) for p in col) and not any(isinstance(p, Shard) for p in col):
+            return True
+    return False
 
 
 def _inner_ok(shape, layout, sizes, minimum: int) -> bool:

@@ -36,7 +36,7 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node = ctx.members[key][0]
         count = ctx.node_count[key]
         if node.op == "placeholder":
-            ctx.compute_cost[key] = [0.0] * len(strats)
+            ctx.compute_cost[key] = [_load_time(ctx, key, node, s) for s in strats]
             continue
         info = as_compute(op_info(node), ctx)
         base = compute_time(info, ctx.hw)
@@ -44,6 +44,22 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _memory(ctx)
     ctx.edge_cost = [_edge_cost(ctx, e) for e in ctx.edges]
     return gm
+
+
+def _load_time(ctx: PassContext, key: str, node: fx.Node, strategy) -> float:
+    """Per-step cost of a placeholder's layout. User inputs are copied host-to-device every step (each rank
+    loads only its shard); parameters pay the optimizer step on their local shard (AdamW reads and writes
+    param, grad and both moments: memory bound)."""
+    if key.startswith("param/"):
+        v = node.meta["val"]
+        numel = math.prod(v.shape) // split_factor_shard(strategy.outs[0], ctx.mesh.shape)
+        per_elem = 2 * (4 + 4 + ctx.precision.optimizer_state_bytes_per_param)
+        return ctx.node_count[key] * numel * per_elem / ctx.hw.hbm_bandwidth
+    if not key.startswith("input/"):
+        return 0.0
+    v = node.meta["val"]
+    link = ctx.hw.links.get("pcie") or next(iter(ctx.hw.links.values()))
+    return local_bytes(tuple(v.shape), v.dtype, strategy.outs[0], ctx.mesh.shape) / link.bandwidth
 
 
 def split_of(strategy, sizes) -> int:

@@ -29,7 +29,7 @@ def test_hardware_table_figures():
     assert peak_flops_for(H100, torch.float8_e4m3fn) == 1979e12
     assert peak_flops_for(H100, torch.float8_e5m2) == 1979e12
     assert peak_flops_for(H100, F32) == 67e12
-    assert H100.hbm_bandwidth == 3.35e12 and H100.memory_bytes == 80e9
+    assert H100.hbm_bandwidth == 3.35e12 and H100.memory_bytes == 80 * 2**30
     h200 = get_hardware("h200")
     assert h200.peak_flops == H100.peak_flops and h200.hbm_bandwidth == 4.8e12 and h200.memory_bytes == 141e9
     a100 = get_hardware("a100")
@@ -195,7 +195,7 @@ def test_fp8_scaled_mm_priced_at_fp8_rate_and_rejected_on_a100():
 
 def test_all_reduce_ring_time():
     link = H100.links["nvlink"]
-    expected = 2 * 7 / 8 * 1e9 / 450e9 + 2 * 7 * 5e-6
+    expected = 2 * 7 / 8 * 1e9 / 450e9 + 2 * 7 * 1e-6
     assert collective_time("all_reduce", 1e9, 8, link) == pytest.approx(expected, rel=1e-12)
 
 
@@ -203,10 +203,10 @@ def test_all_gather_reduce_scatter_symmetry():
     link = H100.links["ib"]
     ag = collective_time("all_gather", 1e9, 16, link)
     rs = collective_time("reduce_scatter", 1e9, 16, link)
-    assert ag == rs == pytest.approx(15 / 16 * 1e9 / 50e9 + 15 * 1e-5, rel=1e-12)
+    assert ag == rs == pytest.approx(15 / 16 * 1e9 / 50e9 + 15 * 5e-6, rel=1e-12)
     assert collective_time("all_reduce", 1e9, 16, link) == pytest.approx(ag + rs, rel=1e-12)
     a2a = collective_time("all_to_all", 1e9, 16, link)
-    assert a2a == pytest.approx(15 / 16 * 1e9 / 50e9 + 15 * 1e-5, rel=1e-12)
+    assert a2a == pytest.approx(15 / 16 * 1e9 / 50e9 + 15 * 5e-6, rel=1e-12)
 
 
 def test_single_rank_and_unknown_collective():

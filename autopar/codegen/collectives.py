@@ -210,6 +210,8 @@ def _reduce_op(op: str | None) -> str:
 
 def _move_leading(b: Builder, y: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
     """(n*s0, s1, ...) holding n stacked chunks along dim 0 -> the chunks concatenated along `dim`."""
+    if dim == 0:
+        return y
     y = b.call(aten.view.default, (y, [n] + shape), phase=phase)
     k = len(shape)
     perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, k + 1))
@@ -225,7 +227,9 @@ def _split_to_leading(b: Builder, x: fx.Node, n: int, shape: list[int], dim: int
     if shape[dim] % n:
         raise CodegenError(f"dim {dim} of size {shape[dim]} does not split into {n} even chunks")
     split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]
-    y = b.call(aten.view.default, (x, split), phase=phase)
+    if dim == 0:
+        return b.call(aten.reshape.default, (x, split), phase=phase)
+    y = b.call(aten.reshape.default, (x, split), phase=phase)
     perm = [dim] + [i for i in range(len(split)) if i != dim]
     y = b.call(aten.permute.default, (y, perm), phase=phase)
     return b.call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, phase=phase)
@@ -233,6 +237,10 @@ def _split_to_leading(b: Builder, x: fx.Node, n: int, shape: list[int], dim: int
 
 def _merge_leading(b: Builder, y: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
     """(n, *shape) -> leading axis merged into `dim` as its outer factor."""
+    out = list(shape)
+    out[dim] *= n
+    if dim == 0:
+        return b.call(aten.view.default, (y, out), phase=phase)
     k = len(shape)
     perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, k + 1))
     y = b.call(aten.permute.default, (y, perm), phase=phase)

@@ -122,10 +122,11 @@ class _Lowering:
         key = (new, dst, phase)
         if key not in self.cache:
             try:
-                self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
+                out = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
             except CodegenError as e:
                 raise CodegenError(f"redistributing the input {self.cap.names.get(a, a.name)} of {consumer} from "
                                    f"{fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
+            self.cache[key] = out
         return self.cache[key]
 
     def _call(self, node: fx.Node) -> fx.Node:
@@ -159,6 +160,10 @@ class _Lowering:
         fake_kwargs = kwargs
         if self.rank.device != "cpu":
             kwargs = local_device_kwargs(kwargs, self.rank.device)
+        if target in _VIEWS and not _viewable(args[0].meta["val"], args[1]):
+            # A view the global graph could take may not fit a local layout that was re-laid out by a
+            # collective; in a functional graph a reshape computes the same value.
+            target = torch.ops.aten.reshape.default
         new = self.b.call(target, tuple(args), kwargs, phase=phase, name=node.name, fake_kwargs=fake_kwargs)
         _check_shapes(site, new)
         return new
@@ -174,6 +179,17 @@ class _Lowering:
                 continue
             grads.append(self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}"))
         self.b.output((loss, *grads))
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _viewable(t: torch.Tensor, shape) -> bool:
+    try:
+        t.view(shape)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _nth_slot(tensor_nodes: list[fx.Node], a: fx.Node, seen: dict[int, int]) -> int:

@@ -44,13 +44,13 @@ class HardwareSpec:
         return hash((self.name, self.hbm_bandwidth, self.memory_bytes))
 
 
-_IB = LinkSpec(bandwidth=50e9, latency=1e-5)  # ConnectX-7 400 Gb/s per GPU
-_PCIE = LinkSpec(bandwidth=32e9, latency=1e-5)  # Gen4 x16 each way
+_IB = LinkSpec(bandwidth=50e9, latency=5e-6)  # ConnectX-7 400 Gb/s per GPU; ~5 us per hop
+_PCIE = LinkSpec(bandwidth=32e9, latency=5e-6)  # Gen4 x16 each way
 _LOOPBACK = LinkSpec(bandwidth=5e9, latency=2e-5)  # gloo over shared memory
 
 
 def _gpu_links(nvlink_bandwidth: float) -> dict:
-    return {"nvlink": LinkSpec(bandwidth=nvlink_bandwidth, latency=5e-6), "ib": _IB, "pcie": _PCIE}
+    return {"nvlink": LinkSpec(bandwidth=nvlink_bandwidth, latency=1e-6), "ib": _IB, "pcie": _PCIE}
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -148,6 +148,7 @@ def _solve_mip(p: IlpProblem, on_progress, minimize_memory: bool) -> IlpResult |
 
     t0 = time.perf_counter()
     m = pywraplp.Solver.CreateSolver("HIGHS")
+    m.SuppressOutput()
     x: dict[str, list] = {}
     obj = m.Objective()
     for k in sorted(p.n_strategies):
@@ -181,7 +182,8 @@ def _solve_mip(p: IlpProblem, on_progress, minimize_memory: bool) -> IlpResult |
         obj.SetCoefficient(v, coef)
     obj.SetMinimization()
     m.SetTimeLimit(int(p.time_limit_s * 1000))
-    m.SetSolverSpecificParametersAsString(f"random_seed={p.seed}\nthreads=1\n")
+    # HiGHS is deterministic at its default seed; the one option set here silences its banner.
+    m.SetSolverSpecificParametersAsString("output_flag = false")
     build_s = time.perf_counter() - t0
     if on_progress:
         on_progress(f"solving: {m.NumVariables()} variables, {m.NumConstraints()} constraints")
