@@ -15,7 +15,8 @@ from torch.distributed.tensor import Shard
 from autopar.inspect_explain import diff, explain
 from autopar.inspect_fmt import (TOP_LEVEL, axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
                                  fp8_nodes, group_params, group_transitions, instances, mesh_text, node_module,
-                                 param_weight, pipeline_info, render, shard_factor)
+                                 param_weight, pipeline_info, r6, render, shard_factor,
+                                 top_nodes)
 
 __all__ = ["format_plan", "format_summary", "explain", "diff", "techniques", "TECHNIQUES"]
 
@@ -214,7 +215,7 @@ def breakdown_tables(plan: Any) -> Table:
                      ("optimizer_s", "optimizer")):
         if k in cb:
             cost.add_row(label, fmt_time(cb[k]))
-    for (axis, kind), v in sorted(comm_entries(cb).items(), key=lambda kv: -kv[1]):
+    for (axis, kind), v in sorted(comm_entries(cb).items(), key=lambda kv: (-r6(kv[1]), kv[0])):
         cost.add_row(f"  {kind} over {axis}", fmt_time(v))
     cost.add_row(Text("step", style="bold"), Text(fmt_time(plan.estimated_step_time), style="bold"))
     mem = Table(title="Memory per rank", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
@@ -238,10 +239,7 @@ def top_ops_table(plan: Any, limit: int = 8) -> Table:
     t.add_column("x", justify="right")
     t.add_column("time", justify="right")
     t.add_column("output")
-    ranked = sorted(plan.nodes.items(), key=lambda kv: -kv[1].compute_s)[:limit]
-    for key, n in ranked:
-        if n.compute_s <= 0:
-            break
+    for key, n in top_nodes(plan, limit):
         out = axis_layout(plan.mesh.axis_names, n.outs[0]) if n.outs else "-"
         t.add_row(key, n.op.removeprefix("aten."), f"{n.count:g}", fmt_time(n.compute_s), out)
     return t

@@ -9,7 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.inspect_fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
-                                 fmt_time, instances, is_comm_steps, mesh_text, render, shard_factor, signed)
+                                 fmt_time, instances, is_comm_steps, mesh_text, r6, render, shard_factor,
+                                 signed)
 
 _NEAR = 0.01  # alternatives within 1% of the chosen time count as ties (cost rounding)
 _DIFF_ROWS = 40
@@ -137,7 +138,7 @@ def _transitions(plan: Any, key: str) -> list:
     for col in ("edge", "kind", "from -> to", "steps", "time"):
         t.add_column(col, justify="right" if col == "time" else "left")
     names = plan.mesh.axis_names
-    for tr in sorted(rows, key=lambda x: -x.cost_s):
+    for tr in sorted(rows, key=lambda x: (-r6(x.cost_s), x.src, x.dst, x.arg)):
         other = tr.dst if tr.src == key else tr.src
         arrow = "-> " if tr.src == key else "<- "
         t.add_row(arrow + other, tr.kind, f"{axis_layout(names, tr.src_layout)} -> {axis_layout(names, tr.dst_layout)}",
@@ -203,7 +204,7 @@ def _diff_nodes(a: Any, b: Any, la: str, lb: str) -> list:
     keys = changed_nodes(a, b)
     if not keys:
         return [Text(""), Text("nodes: every op runs with the same layouts")]
-    ranked = sorted(keys, key=lambda k: -max(a.nodes[k].compute_s, b.nodes[k].compute_s))
+    ranked = sorted(keys, key=lambda k: (-r6(max(a.nodes[k].compute_s, b.nodes[k].compute_s)), k))
     t = Table(title=f"Ops with different layouts: {len(keys)} of {len(a.nodes)} (largest compute first)",
               box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     for col in ("node", f"{la} output", f"{lb} output", "compute"):

@@ -13,6 +13,11 @@ COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 TOP_LEVEL = "(top level)"
 
 
+def r6(x: float) -> float:
+    """A float as the plan file stores it (6 significant digits): rank by this so loaded plans print the same."""
+    return float(f"{x:.6g}")
+
+
 def fmt_time(s: float | None) -> str:
     if s is None:
         return "-"
@@ -160,7 +165,7 @@ def group_transitions(plan: Any) -> list[dict]:
         g["edges"] += 1
         g["count"] += t.count
         g["time_s"] += t.cost_s  # cost_s already covers every repetition of the edge
-    return sorted(groups.values(), key=lambda g: -g["time_s"])
+    return sorted(groups.values(), key=lambda g: (-r6(g["time_s"]), g["steps"], g["kind"]))
 
 
 def fp8_nodes(plan: Any) -> list[str]:
@@ -180,6 +185,12 @@ def pipeline_info(plan: Any) -> dict | None:
     if isinstance(info, dict) and int(info.get("stages", 1) or 1) > 1:
         return info
     return None
+
+
+def top_nodes(plan: Any, n: int) -> list[tuple[str, Any]]:
+    """The n nodes with the largest compute time (ties by key), skipping nodes that take no time."""
+    ranked = sorted(plan.nodes.items(), key=lambda kv: (-r6(kv[1].compute_s), kv[0]))
+    return [(k, v) for k, v in ranked[:n] if v.compute_s > 0]
 
 
 def render(renderables: Iterable[Any], width: int = 100, color: bool = False) -> str:

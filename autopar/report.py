@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from torch.distributed.tensor import Partial, Shard
 
 from autopar.inspect_fmt import (axis_layout, comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
-                                 group_transitions, mesh_text, pipeline_info)
+                                 group_transitions, mesh_text, pipeline_info, top_nodes)
 from autopar.layout import fmt
 
 _COLORS = {"R": "#d9d9d9", "P": "#c44e52", 0: "#4c72b0", 1: "#55a868", 2: "#8172b2", 3: "#64b5cd"}
@@ -129,7 +129,7 @@ def comm_figure(plan: Any) -> Figure | None:
 
 
 def top_ops_figure(plan: Any, n: int = _TOP_OPS) -> Figure | None:
-    ranked = [(k, v) for k, v in sorted(plan.nodes.items(), key=lambda kv: -kv[1].compute_s) if v.compute_s > 0][:n]
+    ranked = top_nodes(plan, n)
     if not ranked:
         return None
     fig = Figure(figsize=(9, 0.8 + 0.3 * len(ranked)))

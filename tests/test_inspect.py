@@ -103,9 +103,9 @@ def test_techniques(plans):
     assert plans["ddp"].techniques == {"dp"}
     assert {"tp", "dp"} <= plans["megatron"].techniques
     assert "fsdp" not in plans["megatron"].techniques
-    # FSDP: shard every parameter over the batch axis of the DDP plan.
+    # FSDP: shard every parameter over the batch axes of the DDP plan (its batch spans both axes).
     p = plans["ddp"]
-    sharded = dataclasses.replace(p, params={k: (Shard(0), Replicate()) for k in p.params})
+    sharded = dataclasses.replace(p, params={k: (Shard(0), Shard(0)) for k in p.params})
     assert techniques(sharded) == {"fsdp"}
 
 

@@ -187,7 +187,7 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 def _viewable(t: torch.Tensor, shape) -> bool:
     try:
         t.view(shape)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         return False
     return True
 
