@@ -10,6 +10,7 @@ class SolverConfig:
     """Knobs of the integer program. `time_limit_s` is deterministic solver time, so plans are reproducible."""
 
     time_limit_s: float = 60.0
+    backend: str = "highs"  # "highs" (MIP, default) or "cp-sat" (all-boolean)
     seed: int = 0
     workers: int = 1
     # Extra passes when the simulated peak memory exceeds the limit the ILP's linear estimate respected.

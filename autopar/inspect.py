@@ -14,9 +14,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.inspect_explain import diff, explain
 from autopar.inspect_fmt import (TOP_LEVEL, axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
-                                 fp8_nodes, group_params, group_transitions, instances, mesh_text, node_module,
-                                 param_weight, pipeline_info, r6, render, shard_factor,
-                                 top_nodes)
+                                 fp8_nodes, group_params, group_transitions, instances, memory_items, mesh_text,
+                                 node_module, param_weight, pipeline_info, r6, render, shard_factor, top_nodes)
 
 __all__ = ["format_plan", "format_summary", "explain", "diff", "techniques", "TECHNIQUES"]
 
@@ -221,7 +220,7 @@ def breakdown_tables(plan: Any) -> Table:
     mem = Table(title="Memory per rank", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     mem.add_column("component")
     mem.add_column("bytes", justify="right")
-    for k, v in plan.memory_breakdown.items():
+    for k, v in memory_items(plan):
         if v:
             mem.add_row(k.replace("_", " "), fmt_bytes(v))
     mem.add_row(Text("peak", style="bold"), Text(fmt_bytes(plan.peak_memory_per_rank), style="bold"))

@@ -187,6 +187,16 @@ def pipeline_info(plan: Any) -> dict | None:
     return None
 
 
+MEMORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations")
+
+
+def memory_items(plan: Any) -> list[tuple[str, int]]:
+    """The memory breakdown in a fixed order (a plan file stores it sorted by name)."""
+    mb = plan.memory_breakdown
+    return [(k, mb[k]) for k in MEMORY_ORDER if k in mb] + sorted((k, v) for k, v in mb.items()
+                                                                  if k not in MEMORY_ORDER)
+
+
 def top_nodes(plan: Any, n: int) -> list[tuple[str, Any]]:
     """The n nodes with the largest compute time (ties by key), skipping nodes that take no time."""
     ranked = sorted(plan.nodes.items(), key=lambda kv: (-r6(kv[1].compute_s), kv[0]))

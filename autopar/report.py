@@ -9,13 +9,13 @@ import base64
 import html
 import io
 import os
-from typing import Any, Callable
+from typing import Any
 
 from matplotlib.figure import Figure
 from torch.distributed.tensor import Partial, Shard
 
-from autopar.inspect_fmt import (axis_layout, comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
-                                 group_transitions, mesh_text, pipeline_info, top_nodes)
+from autopar.inspect_fmt import (comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
+                                 group_transitions, memory_items, mesh_text, pipeline_info, top_nodes)
 from autopar.layout import fmt
 
 _COLORS = {"R": "#d9d9d9", "P": "#c44e52", 0: "#4c72b0", 1: "#55a868", 2: "#8172b2", 3: "#64b5cd"}
@@ -81,7 +81,7 @@ def memory_figure(plan: Any) -> Figure:
     ax = fig.subplots()
     left = 0.0
     scale, unit = (2**30, "GiB") if max(plan.peak_memory_per_rank, plan.memory_limit or 0) >= 2**30 else (2**20, "MiB")
-    for k, v in plan.memory_breakdown.items():
+    for k, v in memory_items(plan):
         if v:
             ax.barh(["per rank"], [v / scale], left=left, color=_MEM_COLORS.get(k, "#999999"),
                     label=f"{k.replace('_', ' ')} {fmt_bytes(v)}")
@@ -220,8 +220,7 @@ def build_sections(plan: Any) -> list[tuple[str, str, list[tuple[str, Figure | N
                                 ["techniques", techniques_text(plan)]], "summary")
     sections = [("Summary", summary, []),
                 ("Placement map", _placement_html(plan), [("placement_map", placement_figure(plan))]),
-                ("Memory per rank", _table(["component", "bytes"], [[k, fmt_bytes(v)] for k, v in
-                                                                     plan.memory_breakdown.items()]),
+                ("Memory per rank", _table(["component", "bytes"], [[k, fmt_bytes(v)] for k, v in memory_items(plan)]),
                  [("memory", memory_figure(plan))])]
     groups = group_transitions(plan)
     comm_html = _table(["collective", "on", "edges", "time"], [[g["steps"], g["kind"], g["edges"],

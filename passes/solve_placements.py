@@ -57,7 +57,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     for attempt in range(ctx.config.solver.memory_refinements + 1):
         problem = build_problem(ctx, limit)
         reduced = reduce_problem(problem)
-        result = solve(reduced.problem, on_progress=report)
+        result = solve(reduced.problem, on_progress=report, backend=ctx.config.solver.backend)
         if result is None:
             _raise_infeasible(ctx)
         ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
@@ -70,7 +70,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         # The linear estimate missed transient buffers: tighten by the overshoot and solve again.
         limit -= (sim.peak_memory - ctx.memory_limit) * 1.05
     if not result.optimal:
-        warnings.warn(f"the solver hit its time limit ({problem.time_limit_s} deterministic s) before proving "
+        warnings.warn(f"the solver hit its time limit ({problem.time_limit_s} s) before proving "
                       "optimality; returning the best plan found (raise Config(solver_time_limit_s=...))",
                       stacklevel=2)
     return gm

@@ -212,3 +212,21 @@ def test_op_without_rule_warns_and_runs_replicated():
         p = autopar.plan(M(), autopar.fake_mesh(2, "dp"), (torch.zeros(8, 16),), config=autopar.Config(solver=QUIET))
     key = next(k for k in p.nodes if "scale" in k)
     assert p.nodes[key].outs == [(Replicate(),)]
+
+
+def test_solver_time_limit_returns_best_plan_with_warning():
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(LLAMA_SMALL, n_layers=2, dim=1024, ffn_dim=4096))
+    cfg = autopar.Config(device="h100", solver_time_limit_s=0.05, solver=QUIET)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            p = autopar.plan(model, autopar.fake_mesh((2, 4), ("dp", "tp")), (torch.zeros(8, 256, dtype=torch.long),),
+                             loss_fn=cross_entropy_loss, config=cfg)
+        except ValueError as e:  # nothing feasible at all within the limit: the error says what to change
+            assert "solver_time_limit_s" in str(e)
+            return
+    assert p.estimated_step_time > 0
+    assert any("time limit" in str(w.message) for w in caught)

@@ -27,6 +27,10 @@ from ortools.sat.python import cp_model
 SCALE = 1e9  # seconds -> integer nanoseconds
 
 
+class SolverTimeout(ValueError):
+    """No feasible plan was found before the time limit."""
+
+
 @dataclasses.dataclass
 class IlpEdge:
     src: str
@@ -190,8 +194,11 @@ def _solve_mip(p: IlpProblem, on_progress, minimize_memory: bool) -> IlpResult |
     t1 = time.perf_counter()
     status = m.Solve()
     solve_s = time.perf_counter() - t1
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if status == pywraplp.Solver.INFEASIBLE:
         return None
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise SolverTimeout(f"the solver found no plan within its time limit of {p.time_limit_s} s; raise "
+                            "Config(solver_time_limit_s=...)")
     choice = {k: max(range(len(vs)), key=lambda i: (vs[i].solution_value(), -i)) for k, vs in x.items()}
     stats = {"variables": m.NumVariables(), "keys": len(x), "edge_variables": n_y,
              "constraints": m.NumConstraints(), "build_seconds": build_s, "solve_seconds": solve_s,
