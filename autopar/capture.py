@@ -184,10 +184,58 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         except Exception as e:  # noqa: BLE001 - report where in the user's model tracing failed
             raise CaptureError.from_exception(e) from e
     block_list = [Block(name, count=len(ml), captured=min(len(ml), template_layers or len(ml))) for name, ml in blocks]
+    _merge_tied(gm, _tie_groups(model))
     cap = _describe(gm, block_list)
     cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
     cap.capture_seconds = time.perf_counter() - t0
     return cap
+
+
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
+    """Tied weights (one tensor under several names) become one parameter input with one summed gradient."""
+    if not groups:
+        return
+    placeholders = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, what = compat.descriptor_kind(node.meta.get("desc"))
+            if kind == "param":
+                placeholders[_strip(what)] = node
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values, descs = list(out.args[0]), list(out.meta.get("desc", []))
+    grad_pos = {}
+    for i, desc in enumerate(descs):
+        kind, what = compat.descriptor_kind(desc)
+        if kind == "grad_param":
+            grad_pos[_strip(what)] = i
+    drop = set()
+    for group in groups:
+        present = [n for n in group if n in placeholders]
+        keep, others = present[0] if present else None, present[1:]
+        for other in others:
+            placeholders[other].replace_all_uses_with(placeholders[keep])
+            gk, go = values[grad_pos[keep]], values[grad_pos[other]]
+            if go is not None:
+                if gk is None:
+                    values[grad_pos[keep]] = go
+                else:
+                    with gm.graph.inserting_before(out):
+                        total = gm.graph.call_function(torch.ops.aten.add.Tensor, (gk, go))
+                    total.meta.update(gk.meta)
+                    values[grad_pos[keep]] = total
+            drop.add(grad_pos[other])
+            gm.graph.erase_node(placeholders[other])
+    out.args = (tuple(v for i, v in enumerate(values) if i not in drop),)
+    out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def _strip(fqn: str) -> str:
@@ -217,6 +265,9 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
                 names[node] = f"tangent/{len(tangents) - 1}"
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":  # constants the model creates (masks, scalars): always replicated
+            names[node] = f"const/{node.target}"
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)

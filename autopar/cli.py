@@ -38,6 +38,7 @@ class ModelSpec:
     model: Any
     inputs: tuple
     loss_fn: Callable | None
+    kwargs: dict | None = None
 
 
 def known_models() -> list[str]:
@@ -124,14 +125,18 @@ def _gpt2(name: str, args: argparse.Namespace, loss: Callable | None) -> ModelSp
     dim, layers, heads = GPT2_SIZES[name]
     seq = args.seq or 1024
     cfg = GPT2Config(n_embd=dim, n_layer=layers, n_head=heads, n_positions=max(1024, seq), use_cache=False)
+    # Eager attention with an explicit mask: the SDPA path and the packed-sequence check branch on tensor values,
+    # which a fake-tensor trace cannot follow.
+    cfg._attn_implementation = "eager"
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
 
-    def lm_loss(out, tokens, *rest):
+    def lm_loss(out, tokens, *rest, **kwargs):
         logits = out.logits if hasattr(out, "logits") else out[0]
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
-    return ModelSpec(name, model, (torch.zeros(args.batch, seq, dtype=torch.long),), loss or lm_loss)
+    mask = {"attention_mask": torch.ones(args.batch, seq, dtype=torch.long)}
+    return ModelSpec(name, model, (torch.zeros(args.batch, seq, dtype=torch.long),), loss or lm_loss, mask)
 
 
 # --- mesh and config ------------------------------------------------------------------------------------------
@@ -222,11 +227,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.recipes import plan_recipe, recipe
 
         recipe(args.recipe)  # an unknown name fails here, before any planning
-        plan = plan_recipe(args.recipe, ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config)
+        plan = plan_recipe(args.recipe, ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config,
+                           example_kwargs=ms.kwargs)
         if plan.solver_stats.get("recipe_note"):
             print(f"autopar: warning: {args.recipe}: {plan.solver_stats['recipe_note']}", file=sys.stderr)
     else:
-        plan = autopar.plan(ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config)
+        plan = autopar.plan(ms.model, mesh, ms.inputs, example_kwargs=ms.kwargs, loss_fn=ms.loss_fn, config=config)
     print(plan.summary() if args.summary else format_plan(plan, width=_width(), color=sys.stdout.isatty()))
     if args.output:
         plan.save(args.output)
@@ -260,7 +266,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     with Progress(what="comparing") as prog:
         say = prog.update if prog.enabled else None
         result = compare(ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config, recipes=names, plan=base,
-                         progress=say)
+                         example_kwargs=ms.kwargs, progress=say)
     for r in result.rows[1:]:
         if base is not None and r.plan is not None and r.plan.fingerprint != base.fingerprint:
             print(f"autopar: warning: {args.target} was planned for a different model, inputs or mesh than "
@@ -370,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("demo", help="run the autopar demo (python -m autopar.demo)",
                        description="Run python -m autopar.demo, passing any further arguments through.")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the demo")
+    p.add_argument("rest", nargs="*", help="arguments passed on to the demo")
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -389,8 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     old = warnings.showwarning
     warnings.showwarning = _warn
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["demo"] and argv[1:2] not in (["-h"], ["--help"]):
+            return cmd_demo(argparse.Namespace(rest=argv[1:]))  # everything after `demo` belongs to the demo
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except SystemExit as e:  # --help
         return int(e.code or 0) if not isinstance(e.code, str) else 2

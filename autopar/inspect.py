@@ -28,10 +28,26 @@ _MAX_COLLECTIVES = 12
 
 # --- techniques ---------------------------------------------------------------------------------------------
 
+_MATMULS = ("mm", "addmm", "matmul", "linear")
+
+
 def batch_axes(plan: Any) -> set[int]:
-    """Mesh axes over which some input is split along its batch dim (dim 0)."""
-    return {a for lay in plan.inputs if lay is not None for a, p in enumerate(lay) if isinstance(p, Shard)
-            and p.dim == 0}
+    """Mesh axes over which the batch is split: where forward matmuls read activations split on dim 0 (the
+    flattened batch*seq rows). Inputs alone do not tell: token ids are often kept whole and sliced for free."""
+    axes: set[int] = set()
+    seen = False
+    for key, n in plan.nodes.items():
+        if "/fwd/" in key and n.ins and n.ins[0] is not None and _op_name(n.op) in _MATMULS:
+            seen = True
+            axes |= {a for a, p in enumerate(n.ins[0]) if isinstance(p, Shard) and p.dim == 0}
+    if not seen:  # no matmul to look at: fall back on how the inputs are split
+        axes = {a for lay in plan.inputs if lay is not None for a, p in enumerate(lay)
+                if isinstance(p, Shard) and p.dim == 0}
+    return axes
+
+
+def _op_name(op: str) -> str:
+    return op.removeprefix("aten.").split(".")[0]
 
 
 def _param_shares(plan: Any, axis: int) -> tuple[float, float]:
@@ -259,9 +275,9 @@ def format_summary(plan: Any) -> str:
              f"{fmt_time(plan.cost_breakdown.get('exposed_comm_s'))}); peak memory {_memory_text(plan)}",
              f"  techniques: {techniques_text(plan)}"]
     patterns: dict[str, list[str]] = {}
-    for key, lay in plan.params.items():
+    for key, lay in sorted(plan.params.items()):
         patterns.setdefault(axis_layout(plan.mesh.axis_names, lay), []).append(key)
-    for lay, keys in sorted(patterns.items(), key=lambda kv: -sum(param_weight(plan, k) for k in kv[1])):
+    for lay, keys in sorted(patterns.items(), key=lambda kv: (-sum(param_weight(plan, k) for k in kv[1]), kv[0])):
         shown = ", ".join(_short(k, plan) for k in keys[:4]) + (f", +{len(keys) - 4} more" if len(keys) > 4 else "")
         lines.append(f"  {lay}: {shown}")
     return "\n".join(lines) + "\n"

@@ -8,8 +8,9 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from autopar.layout import fmt_layout
 from autopar.inspect_fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
-                                 fmt_time, instances, is_comm_steps, mesh_text, r6, render, shard_factor,
+                                 fmt_time, instances, mesh_text, r6, render, shard_factor,
                                  signed)
 
 _NEAR = 0.01  # alternatives within 1% of the chosen time count as ties (cost rounding)
@@ -94,8 +95,7 @@ def _alternatives(plan: Any, node: Any) -> list:
     if node is None or not node.alternatives:
         return [Text(""), Text("why: this is the only legal layout (pinned, or the shapes allow nothing else)")]
     chosen = next((a for a in node.alternatives if a.get("chosen")), node.alternatives[0])
-    t = Table(title="Alternatives (each priced with every other choice held fixed: compute plus the collectives "
-                    "on its edges)", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col, just in (("", "left"), ("strategy (ins -> outs, axes " + ",".join(plan.mesh.axis_names) + ")", "left"),
                       ("time", "right"), ("vs chosen", "right"), ("memory/rank", "right"), ("vs chosen", "right")):
         t.add_column(col, justify=just)
@@ -105,7 +105,9 @@ def _alternatives(plan: Any, node: Any) -> list:
         mark = "*" if a.get("chosen") else ""
         t.add_row(mark, a["strategy"], fmt_time(a["time_s"]), "" if mark else signed(fmt_time(dt), dt),
                   fmt_bytes(a["memory_bytes"]), "" if mark else signed(fmt_bytes(dm), dm))
-    return [Text(""), Text("why: " + _why(plan, chosen, node.alternatives)), t]
+    note = Text("Alternatives, each priced with every other choice held fixed: compute plus the collectives on "
+                "its edges; memory per rank, summed over repeated layers.")
+    return [Text(""), Text("why: " + _why(plan, chosen, node.alternatives)), Text(""), note, t]
 
 
 def _why(plan: Any, chosen: dict, alts: list[dict]) -> str:
@@ -134,16 +136,15 @@ def _transitions(plan: Any, key: str) -> list:
     rows = [t for t in plan.transitions if key in (t.src, t.dst)]
     if not rows:
         return [Text(""), Text("collectives: none on this entry's edges")]
-    t = Table(title="Layout changes on its edges", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
-    for col in ("edge", "kind", "from -> to", "steps", "time"):
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("edge", "kind", f"layout ({','.join(plan.mesh.axis_names)})", "steps", "time"):
         t.add_column(col, justify="right" if col == "time" else "left")
-    names = plan.mesh.axis_names
     for tr in sorted(rows, key=lambda x: (-r6(x.cost_s), x.src, x.dst, x.arg)):
         other = tr.dst if tr.src == key else tr.src
-        arrow = "-> " if tr.src == key else "<- "
-        t.add_row(arrow + other, tr.kind, f"{axis_layout(names, tr.src_layout)} -> {axis_layout(names, tr.dst_layout)}",
-                  tr.steps, fmt_time(tr.cost_s))
-    return [Text(""), t]
+        arrow = "to " if tr.src == key else "from "
+        t.add_row(arrow + other, tr.kind, f"{fmt_layout(tr.src_layout)} -> {fmt_layout(tr.dst_layout)}", tr.steps,
+                  fmt_time(tr.cost_s))
+    return [Text(""), Text("Layout changes on its edges"), t]
 
 
 # --- diff ---------------------------------------------------------------------------------------------------
@@ -223,4 +224,4 @@ def _diff_nodes(a: Any, b: Any, la: str, lb: str) -> list:
     return [Text(""), t]
 
 
-__all__ = ["explain", "diff", "resolve", "changed_params", "changed_nodes", "is_comm_steps"]
+__all__ = ["explain", "diff", "resolve", "changed_params", "changed_nodes"]

@@ -124,7 +124,7 @@ def group_params(plan: Any) -> dict[str, list[tuple[str, str]]]:
     """{group title: [(name within the group, plan key)]}: repeated blocks first, then top-level params."""
     groups: dict[str, list[tuple[str, str]]] = {}
     top: list[tuple[str, str]] = []
-    for key in plan.params:
+    for key in sorted(plan.params):  # sorted: a plan file stores params sorted, a fresh plan in graph order
         b = block_of(plan, key)
         if b is None:
             top.append((key, key))

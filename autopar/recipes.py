@@ -343,7 +343,8 @@ def plan_recipe(name: str, model: Any, mesh: Any, example_inputs: Sequence[Any],
     config = config or Config()
     config = _quiet(config) if quiet else config
     spec = mesh_spec(mesh, dict(config.links) if config.links else None)
-    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    # remove_duplicate=False: a tied weight (GPT-2 lm_head = wte) may be captured under either name.
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters(remove_duplicate=False)}
     tensors = [x for x in example_inputs if hasattr(x, "shape")]
     batch = next((x.shape[0] for x in tensors if x.dim() > 0), None)
 

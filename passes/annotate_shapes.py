@@ -18,7 +18,7 @@ from autopar.rules.base import flat_tensor_args, op_info
 def annotate_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cap = ctx.captured
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "call_function") and not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple)):
+        if node.op in ("placeholder", "call_function", "get_attr") and not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple)):
             raise ValueError(f"node {cap.names.get(node, node.name)} has no recorded tensor value; "
                              "capture must run under fake tensors")
     _assign_keys(gm, ctx)
@@ -48,8 +48,8 @@ def _scale(ctx: PassContext, node: fx.Node) -> tuple[str, float]:
 
 
 def _signature(node: fx.Node) -> tuple:
-    if node.op == "placeholder":
-        return ("placeholder", tuple(node.meta["val"].shape), node.meta["val"].dtype)
+    if node.op in ("placeholder", "get_attr"):
+        return (node.op, tuple(node.meta["val"].shape), node.meta["val"].dtype)
     info = op_info(node) if node.target is not getattr(__import__("operator"), "getitem") else None
     if info is None:
         return ("getitem", node.args[1])
@@ -61,7 +61,7 @@ def _assign_keys(gm: fx.GraphModule, ctx: PassContext) -> None:
     cap = ctx.captured
     groups: dict[str, list[fx.Node]] = collections.defaultdict(list)
     for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "call_function"):
+        if node.op not in ("placeholder", "call_function", "get_attr"):
             continue
         name = cap.names[node]
         groups[cap.block_relative(name)].append(node)

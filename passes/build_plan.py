@@ -23,7 +23,7 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for key, strats in ctx.strategies.items():
         node = ctx.members[key][0]
         s = ctx.chosen(key)
-        op = key.split("/", 1)[0] if node.op == "placeholder" else str(node.target)
+        op = key.split("/", 1)[0] if node.op in ("placeholder", "get_attr") else str(node.target)
         nodes[key] = NodePlan(op=op, ins=list(s.ins), outs=list(s.outs),
                               compute_s=ctx.compute_cost[key][ctx.choice[key]], count=ctx.node_count[key],
                               alternatives=alt.get(key, []))

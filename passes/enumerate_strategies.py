@@ -30,7 +30,9 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
         node = nodes[0]
         if node.op == "call_function" and node.target is operator.getitem:
             continue
-        if node.op == "placeholder":
+        if node.op == "get_attr":
+            strats = [NodeStrategy((), (tuple(R for _ in sizes),))]
+        elif node.op == "placeholder":
             strats = _placeholder_strategies(ctx, node, key, pins)
         else:
             strats = _op_strategies(ctx, node, sizes)

@@ -35,7 +35,7 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for key, strats in ctx.strategies.items():
         node = ctx.members[key][0]
         count = ctx.node_count[key]
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             ctx.compute_cost[key] = [_load_time(ctx, key, node, s) for s in strats]
             continue
         info = as_compute(op_info(node), ctx)

@@ -53,7 +53,10 @@ def simulate(ctx: PassContext) -> Simulation:
     comm_bytes: dict[str, float] = collections.defaultdict(float)
     node_time: dict[str, float] = collections.defaultdict(float)
     timeline = []
-    grad_nodes = {producer(g)[0]: fqn for fqn, g in cap.grads.items()}
+    grad_nodes: dict[fx.Node, list[tuple[str, int]]] = collections.defaultdict(list)
+    for fqn, g in cap.grads.items():
+        u, idx = producer(g)
+        grad_nodes[u].append((fqn, idx))
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
 
@@ -75,7 +78,7 @@ def simulate(ctx: PassContext) -> Simulation:
         return t
 
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             ready[node] = 0.0
             continue
         if node.op != "call_function":
@@ -106,13 +109,12 @@ def simulate(ctx: PassContext) -> Simulation:
         ready[node] = compute_free
         if dur > 0 and len(timeline) < 4000:
             timeline.append(("compute", ctx.captured.names[node], start, compute_free))
-        if node in grad_nodes:
-            fqn = grad_nodes[node]
+        for fqn, idx in grad_nodes.get(node, ()):
             pkey = ctx.key[cap.params[fqn]]
             meta = node.meta["val"]
-            val = meta[0] if isinstance(meta, (list, tuple)) else meta
-            comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[0], ctx.chosen(pkey).outs[0], compute_free,
-                 _scale(ctx, cap.params[fqn])[1], f"grad {fqn}")
+            val = meta[idx] if isinstance(meta, (list, tuple)) else meta
+            comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0],
+                 compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}")
     opt = _optimizer_time(ctx)
     step = max([compute_free] + axis_free) + opt
     memory, peak = _memory(ctx)

@@ -188,6 +188,7 @@ CASES = [
 @pytest.mark.parametrize("name,mesh,kind", CASES, ids=["-".join(c) for c in CASES])
 def test_matches_single_device(name, mesh, kind):
     shape, names = MESHES[mesh]
+    pool = get_pool(math.prod(shape))  # boots in the background while this process plans
     plan = plan_json(name, shape, names, kind)
     if kind != "solver":
         placements = Plan.from_json(plan).param_placements()
@@ -197,14 +198,15 @@ def test_matches_single_device(name, mesh, kind):
 
             want = next(v for k, v in pins.items() if fnmatch.fnmatch(fqn, k))
             assert lay == want, (fqn, lay, want)
-    results = get_pool(math.prod(shape)).run(train_parallel, name, shape, names, plan)
+    results = pool.run(train_parallel, name, shape, names, plan)
     check_against_reference(name, results)
 
 
 def test_tied_weights_stay_one_parameter():
     shape, names = MESHES["dp2xtp2"]
+    pool = get_pool(4)
     plan = plan_json("tied", shape, names, "solver")
-    results = get_pool(4).run(train_parallel, "tied", shape, names, plan)
+    results = pool.run(train_parallel, "tied", shape, names, plan)
     check_against_reference("tied", results)
     assert "out.weight" not in results[0]["grads"]  # named_parameters() lists the shared weight once
 
@@ -241,7 +243,8 @@ def api_checks(plan: str) -> dict:
 
 def test_api_dtensor_state_and_inputs():
     shape, names = MESHES["dp2xtp2"]
-    results = get_pool(4).run(api_checks, plan_json("llama", shape, names, "fsdp_tp"))
+    pool = get_pool(4)
+    results = pool.run(api_checks, plan_json("llama", shape, names, "fsdp_tp"))
     r = results[0]
     ref = reference("llama")["losses"][0]
     assert r["loss"] == pytest.approx(ref, rel=1e-5) and r["loss_dtensor_input"] == pytest.approx(ref, rel=1e-5)
@@ -262,7 +265,8 @@ def meta_init(shape, names, plan: str) -> dict:
 
 def test_meta_model_initializes_local_shards_like_init_weights():
     shape, names = MESHES["dp2xtp2"]
-    results = get_pool(4).run(meta_init, shape, names, plan_json("mlp", shape, names, "fsdp_tp"))
+    pool = get_pool(4)
+    results = pool.run(meta_init, shape, names, plan_json("mlp", shape, names, "fsdp_tp"))
     ref = MLP()
     with torch.no_grad():
         ref.init_weights(7)

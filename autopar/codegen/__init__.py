@@ -10,15 +10,17 @@ from autopar.codegen.partition import LocalProgram, split
 from autopar.plan import Plan
 
 
-def generate(plan: Plan, cap: Captured, rank: RankSpec) -> LocalProgram:
-    """Lower `cap` under `plan` for one rank and split it into forward and backward graphs."""
-    return split(lower(plan, cap, rank))
+def generate(plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None) -> LocalProgram:
+    """Lower `cap` under `plan` for one rank and split it into forward and backward graphs (`tied`: see
+    `lower`)."""
+    return split(lower(plan, cap, rank, tied))
 
 
 def collectives(gm, rank: RankSpec | None = None) -> list[tuple[str, str]]:
-    """(kind, axis or group name) of every functional collective in a generated graph, in program order."""
+    """(kind, axis or group name) of every functional collective in a generated graph (or a list of its
+    nodes), in program order."""
     out = []
-    for n in gm.graph.nodes:
+    for n in (gm.graph.nodes if hasattr(gm, "graph") else gm):
         kind = collective_kind(n)
         if kind is not None:
             g = collective_group(n)

@@ -48,11 +48,16 @@ def _out_of(node: fx.Node) -> tuple[fx.Node, int]:
 
 
 class _Lowering:
-    def __init__(self, plan: Plan, cap: Captured, rank: RankSpec):
+    def __init__(self, plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None):
         if tuple(plan.mesh.shape) != tuple(rank.axis_sizes) or tuple(plan.mesh.axis_names) != tuple(rank.axis_names):
             raise ValueError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, the rank "
                              f"belongs to mesh {dict(zip(rank.axis_names, rank.axis_sizes))}")
         self.plan, self.cap, self.rank = plan, cap, rank
+        self.tied = dict(tied or {})
+        for alias, canon in self.tied.items():
+            if alias not in cap.params or canon not in cap.params or canon in self.tied:
+                raise ValueError(f"tied parameters: {alias} -> {canon} must name two graph parameters, "
+                                 f"the second not itself an alias")
         self.b = Builder()
         self.env: dict[fx.Node, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
@@ -80,25 +85,33 @@ class _Lowering:
         params, buffers, inputs, tangents, layouts = {}, {}, [], [], {}
         kinds = {n: ("param", f) for f, n in cap.params.items()}
         kinds.update({n: ("buffer", f) for f, n in cap.buffers.items()})
-        for node in cap.gm.graph.nodes:
-            if node.op == "placeholder":
-                new = self._placeholder(node)
-                layouts[new.name] = self.layout_of(node)
-                kind, what = kinds.get(node, (None, None))
-                if kind == "param":
-                    params[what] = new
-                elif kind == "buffer":
-                    buffers[what] = new
-                elif node in cap.tangents:
-                    tangents.append(new)
-                else:
-                    inputs.append(new)
-            elif node.op == "call_function":
+        nodes = list(cap.gm.graph.nodes)
+        for node in nodes:
+            if node.op != "placeholder" or kinds.get(node, (None, None))[1] in self.tied:
+                continue
+            new = self._placeholder(node)
+            layouts[new.name] = self.layout_of(node)
+            kind, what = kinds.get(node, (None, None))
+            if kind == "param":
+                params[what] = new
+            elif kind == "buffer":
+                buffers[what] = new
+            elif node in cap.tangents:
+                tangents.append(new)
+            else:
+                inputs.append(new)
+        for alias, canon in self.tied.items():
+            # One parameter under two names: the alias reads the stored tensor in the alias's planned layout.
+            a, c = cap.params[alias], cap.params[canon]
+            self.env[a] = self._redistribute(self.env[c], self.layout_of(c), self.layout_of(a), "fwd",
+                                             f"the tied parameter {alias}")
+        for node in nodes:
+            if node.op == "call_function":
                 self.env[node] = self._call(node)
             elif node.op == "output":
                 self._output()
         gm = fx.GraphModule(torch.nn.Module(), self.b.graph)
-        params = {f: params[f] for f in cap.params}
+        params = {f: params[f] for f in cap.params if f not in self.tied}
         return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts)
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
@@ -115,18 +128,18 @@ class _Lowering:
         new = self.env[a]
         if dst is None:
             return new
-        src = self.layout_of(a)
-        dst = tuple(dst)
+        return self._redistribute(new, self.layout_of(a), tuple(dst), phase,
+                                  f"the input {self.cap.names.get(a, a.name)} of {consumer}")
+
+    def _redistribute(self, new: fx.Node, src: Layout, dst: Layout, phase: str, what: str) -> fx.Node:
         if src == dst:
             return new
         key = (new, dst, phase)
         if key not in self.cache:
             try:
-                out = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
+                self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
             except CodegenError as e:
-                raise CodegenError(f"redistributing the input {self.cap.names.get(a, a.name)} of {consumer} from "
-                                   f"{fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
-            self.cache[key] = out
+                raise CodegenError(f"redistributing {what} from {fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
         return self.cache[key]
 
     def _call(self, node: fx.Node) -> fx.Node:
@@ -171,13 +184,20 @@ class _Lowering:
     def _output(self) -> None:
         cap = self.cap
         loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
+        names: dict[str, list[str]] = {f: [f] for f in cap.params if f not in self.tied}
+        for alias, canon in self.tied.items():
+            names[canon].append(alias)
         grads = []
-        for fqn, pnode in cap.params.items():
-            g = cap.grads.get(fqn)
-            if g is None:
-                grads.append(None)
-                continue
-            grads.append(self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}"))
+        for fqn, group in names.items():
+            layout = self.layout_of(cap.params[fqn])
+            total = None
+            for name in group:  # a tied parameter's gradient sums the gradients of every use
+                g = cap.grads.get(name)
+                if g is None:
+                    continue
+                g = self._arg(g, layout, "bwd", f"the gradient of {name}")
+                total = g if total is None else self.b.call(torch.ops.aten.add.Tensor, (total, g), phase="bwd")
+            grads.append(total)
         self.b.output((loss, *grads))
 
 
@@ -243,9 +263,11 @@ def _check_shapes(site: OpSite, new: fx.Node) -> None:
                            f"needs {describe_shapes(want)}; this op has a shape argument codegen does not localize")
 
 
-def lower(plan: Plan, cap: Captured, rank: RankSpec) -> LocalJoint:
-    """The local joint graph of one rank (see LocalJoint)."""
-    return _Lowering(plan, cap, rank).run()
+def lower(plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None) -> LocalJoint:
+    """The local joint graph of one rank (see LocalJoint). `tied` maps a parameter FQN to the FQN of the
+    parameter it is the same object as (tied weights traced as two graph inputs): the pair becomes one stored
+    parameter whose gradient sums both."""
+    return _Lowering(plan, cap, rank, tied).run()
 
 
 __all__ = ["LocalJoint", "lower", "local_val_shape"]

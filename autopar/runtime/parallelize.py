@@ -141,25 +141,35 @@ def _agree_on_plan(ctx, plan: Plan | None, world: int, rank: int) -> Plan:
     return got
 
 
-def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | None):
+def tied_parameters(model: nn.Module, cap) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(graph alias -> canonical FQN for tied parameters the graph lists twice, canonical -> every other name)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    tied, aliases = {}, {}
+    for names in by_id.values():
+        canon = next((n for n in names if n in cap.params), None)
+        if canon is None or len(names) == 1:
+            continue
+        aliases[canon] = [n for n in names if n != canon]
+        tied.update({n: canon for n in names if n != canon and n in cap.params})
+    return tied, aliases
+
+
+def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | None, tied: dict[str, str],
+             aliases: dict[str, list[str]]):
     """DTensor params and buffers with the plan's layouts, from real weights or by init on the local shards."""
     def layout(name: str) -> tuple:
         np_ = plan.nodes.get(name) or plan.nodes[plan.key(name)]
         return tuple(np_.outs[0])
 
-    aliases: dict[str, list[str]] = {}
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for names in by_id.values():
-        canon = next((n for n in names if n in cap.params), None)
-        if canon is not None and len(names) > 1:
-            aliases[canon] = [n for n in names if n != canon]
     out: dict[str, tuple[str, Any]] = {}
     real: dict[str, torch.Tensor] = {}
     meta = False
     for kind, table in (("param", cap.params), ("buffer", cap.buffers)):
         for fqn, node in table.items():
+            if fqn in tied:
+                continue
             t = model.get_parameter(fqn) if kind == "param" else model.get_buffer(fqn)
             lay = layout(cap.names[node])
             if t.is_meta:
@@ -174,9 +184,9 @@ def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | No
             done[fqn] = shard_real(t, mesh, out[fqn][1].placements)
     else:
         done = {fqn: dt for fqn, (_, dt) in out.items()}
-    params = {f: done[f] for f in cap.params}
+    params = {f: done[f] for f in cap.params if f not in tied}
     buffers = {f: done[f] for f in cap.buffers}
-    return params, buffers, aliases
+    return params, buffers
 
 
 def _non_persistent(model: nn.Module) -> set[str]:
@@ -208,13 +218,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     _reject_collectives(cap)
     annotate_shapes_pass(cap.gm, ctx)
     plan = _agree_on_plan(ctx, plan, world, rank)
-    program = generate(plan, cap, rank_spec(mesh))
-    params, buffers, aliases = _tensors(model, cap, plan, mesh, seed)
+    tied, aliases = tied_parameters(model, cap)
+    program = generate(plan, cap, rank_spec(mesh), tied)
+    params, buffers = _tensors(model, cap, plan, mesh, seed, tied, aliases)
     input_specs = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in cap.inputs]
     input_layouts = [tuple(plan.nodes.get(cap.names[n]) and plan.nodes[cap.names[n]].outs[0]
                            or plan.nodes[plan.key(cap.names[n])].outs[0]) for n in cap.inputs]
     leaves = [int(getattr(n.meta.get("desc"), "idx", i)) for i, n in enumerate(cap.inputs)]
-    requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params}
+    requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params if f not in tied}
     return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
                           non_persistent=_non_persistent(model), input_specs=input_specs,
                           input_layouts=input_layouts, input_leaves=leaves, requires_grad=requires_grad)

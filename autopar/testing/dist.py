@@ -32,8 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
+# Imported by every worker while the parent is still busy (planning): the first real call then only runs.
+PRELOAD = ("torch.distributed.tensor", "torch._functorch.aot_autograd", "torch._dynamo", "autopar.runtime",
+           "autopar.passes")
+
+
+def _worker(rank: int, world_size: int, port: int, conn, threads: int, preload: tuple[str, ...]) -> None:
     import datetime
+    import importlib
 
     import torch
     import torch.distributed as dist
@@ -42,6 +48,11 @@ def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    for mod in preload:
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
     conn.send(("ready", rank))
     while True:
         msg = conn.recv()
@@ -59,23 +70,41 @@ def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
 class WorkerPool:
     """`world_size` processes forming one gloo process group."""
 
-    def __init__(self, world_size: int, *, threads: int = 1, start_timeout: float = 120.0):
+    def __init__(self, world_size: int, *, threads: int = 1, start_timeout: float = 180.0,
+                 preload: tuple[str, ...] = PRELOAD):
+        """Starts the processes and returns at once; the first `run` waits until they are ready."""
         self.world_size = world_size
+        self._start_timeout = start_timeout
+        self._ready = False
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._conns = []
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, threads), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, threads, tuple(preload)),
+                            daemon=True)
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
+
+    def _wait_ready(self) -> None:
+        if self._ready:
+            return
+        deadline = time.monotonic() + self._start_timeout
         for rank, c in enumerate(self._conns):
-            if not c.poll(start_timeout):
+            try:
+                ok = c.poll(max(0.0, deadline - time.monotonic()))
+                if ok:
+                    c.recv()
+            except (EOFError, OSError):
+                ok = False
+            if not ok:
                 self.close()
-                raise RuntimeError(f"worker {rank} of {world_size} did not start within {start_timeout:.0f} s")
-            c.recv()
+                raise RuntimeError(f"worker {rank} of {self.world_size} did not start within {self._start_timeout:.0f} s "
+                                   "(a script that starts a pool must guard its entry point with "
+                                   "`if __name__ == '__main__':`)")
+        self._ready = True
 
     @property
     def alive(self) -> bool:
@@ -85,6 +114,7 @@ class WorkerPool:
         """fn(*args, **kwargs) on every rank; the list of results by rank."""
         if not self.alive:
             raise RuntimeError("the worker pool is closed")
+        self._wait_ready()
         for c in self._conns:
             c.send((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
@@ -141,7 +171,8 @@ class WorkerPool:
 
 
 def get_pool(world_size: int, **kwargs: Any) -> WorkerPool:
-    """The shared pool of this world size, started on first use (other sizes' pools stay up)."""
+    """The shared pool of this world size, started on first use (other sizes' pools stay up). Starting
+    returns at once: call it early (before planning) so the workers boot while the parent works."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         pool = _POOLS[world_size] = WorkerPool(world_size, **kwargs)

@@ -1,0 +1,75 @@
+"""Tiny transformers models with random weights (no downloads) and their example inputs, for tests and
+benchmarks. Each entry builds (model, example_inputs, example_kwargs); the model returns `.loss`."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def _ids(batch: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def llama(batch=4, seq=32, **over):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attention_dropout=0.0, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return LlamaForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def qwen2(batch=4, seq=32, **over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attention_dropout=0.0, tie_word_embeddings=True, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return Qwen2ForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def gpt2(batch=4, seq=32, **over):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return GPT2LMHeadModel(cfg), (ids,), {"labels": ids}
+
+
+def bert(batch=4, seq=32, **over):
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return BertForMaskedLM(cfg), (ids,), {"labels": ids}
+
+
+def t5(batch=4, seq=32, **over):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return T5ForConditionalGeneration(cfg), (ids,), {"labels": ids}
+
+
+def vit(batch=4, **over):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_labels=10, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, attn_implementation="sdpa", **over)
+    x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(0))
+    return ViTForImageClassification(cfg), (x,), {"labels": labels}
+
+
+MODELS: dict[str, Callable[..., tuple[Any, tuple, dict]]] = {
+    "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit,
+}

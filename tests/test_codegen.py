@@ -1,0 +1,194 @@
+"""Generated per-rank programs, read without running them: which collectives, on which axis, at which shapes."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar
+from autopar.capture import capture
+from autopar.codegen import CodegenError, RankSpec, collectives, generate
+from autopar.codegen.collectives import checked_steps, safe_steps, steps_valid
+from autopar.config import Config, SolverConfig
+from autopar.layout import local_shape
+from autopar.models.llama import LLAMA3_8B, LLAMA_TINY, Llama, cross_entropy_loss
+from autopar.plan import Plan
+
+R = Replicate()
+QUIET = SolverConfig(show_progress=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x, y):
+        return self.fc2(F.silu(self.fc1(x)))
+
+
+def mse(out, x, y):
+    return ((out - y) ** 2).mean()
+
+
+def program(model, inputs, loss_fn, mesh, rank: RankSpec, **config):
+    """Plan on the full graph and generate one rank's program."""
+    cfg = Config(solver=QUIET, template_layers=None, **config)
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, config=cfg)
+    cap = capture(model, inputs, loss_fn=loss_fn)
+    return plan, cap, generate(plan, cap, rank)
+
+
+def _mlp(d_in, hidden, d_out, batch):
+    with torch.device("meta"):
+        model = MLP(d_in, hidden, d_out)
+    return model, (torch.zeros(batch, d_in), torch.zeros(batch, d_out))
+
+
+def test_megatron_mlp_forward_has_one_all_reduce_on_tp():
+    model, inputs = _mlp(1024, 8192, 1024, 64)
+    rank = RankSpec.fake(("tp",), (4,), (1,))
+    pins = {"fc1.*": (Shard(0),), "fc2.weight": (Shard(1),), "fc2.bias": (R,)}
+    plan, _, prog = program(model, inputs, mse, autopar.fake_mesh(4, "tp"), rank, device="h100", pins=pins,
+                            input_placements={0: (R,), 1: (R,)})
+    assert collectives(prog.forward, rank) == [("all_reduce", "tp")], prog.code()
+    # Column then row parallel: every gradient is already in its parameter's layout, the input needs none.
+    assert collectives(prog.backward, rank) == [], prog.code()
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in prog.forward.graph.nodes if n.op == "placeholder"}
+    assert shapes["fc1_weight"] == (2048, 1024) and shapes["fc2_weight"] == (1024, 2048)
+    assert shapes["fc1_bias"] == (2048,) and shapes["fc2_bias"] == (1024,)
+
+
+def test_data_parallel_reduces_each_gradient_once():
+    model, inputs = _mlp(1024, 4096, 1024, 65536)
+    rank = RankSpec.fake(("dp",), (8,), (5,))
+    plan, cap, prog = program(model, inputs, mse, autopar.fake_mesh(8, "dp"), rank, device="h100",
+                              pins={"*": (R,)}, input_placements={0: (Shard(0),), 1: (Shard(0),)})
+    fwd, bwd = collectives(prog.forward, rank), collectives(prog.backward, rank)
+    # Forward: only the loss is reduced (the mean over the batch shard is Partial(avg)).
+    assert fwd == [("all_reduce", "dp")], prog.code()
+    out = next(n for n in prog.forward.graph.nodes if n.op == "output")
+    assert _feeds(out.args[0][0], prog.forward) == fwd
+    # Backward: one all_reduce per gradient, nothing else.
+    assert bwd == [("all_reduce", "dp")] * len(cap.params), prog.code()
+
+
+def _feeds(node, gm):
+    """Collectives among the ancestors of `node`, in program order."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    rank = RankSpec.fake(("dp",), (8,))
+    return collectives([n for n in gm.graph.nodes if n in seen], rank)
+
+
+def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
+    model, inputs = _mlp(1024, 4096, 1024, 65536)
+    rank = RankSpec.fake(("dp",), (4,), (2,))
+    _, _, prog = program(model, inputs, mse, autopar.fake_mesh(4, "dp"), rank, device="h100",
+                         pins={"*": (Shard(0),)}, input_placements={0: (Shard(0),), 1: (Shard(0),)})
+    gathers_fwd = [c for c in collectives(prog.forward, rank) if c[0] == "all_gather"]
+    gathers_bwd = [c for c in collectives(prog.backward, rank) if c[0] == "all_gather"]
+    assert gathers_fwd and gathers_bwd, prog.code()
+    # Nothing gathered in the forward is kept for the backward: the forward saves only local shards.
+    saved = {n.name for n in prog.backward.graph.nodes if n.op == "placeholder"}
+    gathered = {n.name for n in prog.forward.graph.nodes if n.op == "call_function" and n.target.__name__ in
+                ("wait_tensor", "all_gather_into_tensor")}
+    assert not saved & gathered, saved & gathered
+    assert prog.recomputed, "weights derived from parameters are recomputed in backward"
+    grads = [c for c in collectives(prog.backward, rank) if c[0] == "reduce_scatter"]
+    assert len(grads) == 4, prog.code()  # each gradient leaves as a reduce-scattered shard
+
+
+def test_llama_8b_widths_on_8x8_local_shapes_and_groups():
+    cfg = dataclasses.replace(LLAMA3_8B, n_layers=2)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.zeros(8, 2048, dtype=torch.long)
+    mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
+    rank = RankSpec.fake(("dp", "tp"), (8, 8), (3, 5))
+    t0 = time.perf_counter()
+    plan, cap, prog = program(model, (tokens,), cross_entropy_loss, mesh, rank)
+    assert time.perf_counter() - t0 < 120
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in prog.forward.graph.nodes if n.op == "placeholder"}
+    for fqn, node in cap.params.items():
+        name = fqn.replace(".", "_")
+        want = local_shape(tuple(node.meta["val"].shape), plan.param_layout(fqn), (8, 8))
+        assert shapes[name] == want, (fqn, shapes[name], want)
+    assert shapes["input_0"] == local_shape((8, 2048), plan.inputs[0], (8, 8))
+    sizes = {"autopar:dp": 8, "autopar:tp": 8}
+    n = 0
+    for gm in (prog.forward, prog.backward):
+        for node in gm.graph.nodes:
+            name = getattr(getattr(node.target, "_schema", None), "name", "")
+            if not name.startswith("_c10d_functional::") or name.endswith("wait_tensor"):
+                continue
+            n += 1
+            group = node.args[-1]
+            assert group in sizes, (node.format_node(), group)
+            if name.endswith(("all_gather_into_tensor", "reduce_scatter_tensor")):
+                assert node.args[-2] == sizes[group]
+            if name.endswith("all_to_all_single"):
+                assert len(node.args[1]) == sizes[group]
+    assert n > 0
+    # Every local value has the local shape of its planned layout (checked while generating); the loss is
+    # replicated and every gradient leaves in its parameter's layout.
+    out = next(n for n in prog.backward.graph.nodes if n.op == "output")
+    for fqn, g in zip(prog.params, out.args[0]):
+        want = local_shape(tuple(cap.params[fqn].meta["val"].shape), plan.param_layout(fqn), (8, 8))
+        assert tuple(g.meta["val"].shape) == want, fqn
+
+
+def test_redistribution_steps_keep_shards_nested():
+    S = Shard
+    placements = [R, Partial(), Partial("avg"), S(0), S(1)]
+    for n in (1, 2, 3):
+        for src in itertools.product(placements, repeat=n):
+            for dst in itertools.product([R, Partial(), S(0), S(1)], repeat=n):
+                assert steps_valid(src, dst, safe_steps(src, dst)), (src, dst)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # plan_steps sequences that break nesting are replaced
+                    assert steps_valid(src, dst, checked_steps(src, dst)), (src, dst)
+    # The simple cases keep their one-collective form.
+    assert [s.kind for s in checked_steps((Partial(),), (S(0),))] == ["reduce_scatter"]
+    assert [s.kind for s in checked_steps((S(0), R), (S(1), R))] == ["all_to_all"]
+    assert [s.kind for s in checked_steps((S(0), S(0)), (R, R))] == ["all_gather", "all_gather"]
+
+
+def test_unsupported_local_rewrite_is_refused_with_the_op_named():
+    model = Llama(LLAMA_TINY)
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    mesh = autopar.fake_mesh(2, "tp")
+    plan = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+                        config=Config(solver=QUIET, template_layers=None, pins={"*": (R,)}, device="h100"))
+    cap = capture(model, (tokens,), loss_fn=cross_entropy_loss)
+    # Shard the logits' sequence dim through `logits[:, :-1]`: a real slice of a sharded dim.
+    data = Plan.from_json(plan.to_json())
+    key = "output/fwd/slice"
+    data.nodes[key].ins = [(Shard(1),)]
+    data.nodes[key].outs = [(Shard(1),)]
+    with pytest.raises(CodegenError, match=r"output/fwd/slice .*slice \[0:-1:1\] of sharded dim 1"):
+        generate(data, cap, RankSpec.fake(("tp",), (2,)))
+
+
+def test_generated_code_is_python_text():
+    model, inputs = _mlp(64, 128, 64, 32)
+    rank = RankSpec.fake(("dp", "tp"), (2, 2), (1, 0))
+    _, _, prog = program(model, inputs, mse, autopar.fake_mesh((2, 2), ("dp", "tp")), rank, device="h100")
+    text = prog.code()
+    assert text.startswith("# forward\ndef forward(") and "\n# backward\ndef forward(" in text
+    compile(prog.forward.code, "<forward>", "exec")
+    compile(prog.backward.code, "<backward>", "exec")
+    for kind, axis in collectives(prog.forward, rank) + collectives(prog.backward, rank):
+        assert axis in ("dp", "tp") and kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
