@@ -95,3 +95,25 @@ def functional_collectives():
     import torch.distributed._functional_collectives as fc
 
     return fc
+
+
+def c10d_functional_ops():
+    """The functional collective ops (`torch.ops._c10d_functional`: all_gather_into_tensor, all_reduce,
+    reduce_scatter_tensor, all_to_all_single, wait_tensor), registered by importing their Python module."""
+    functional_collectives()
+    return torch.ops._c10d_functional
+
+
+C10D_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")
+
+
+def op_namespace_and_name(target: Any) -> tuple[str | None, str | None]:
+    """('_c10d_functional', 'all_reduce') for an OpOverload; (None, None) for anything else."""
+    ns = getattr(target, "namespace", None)
+    packet = getattr(target, "overloadpacket", None)
+    return ns, getattr(packet, "__name__", None)
+
+
+def group_name_of(mesh: DeviceMesh, axis: str) -> str:
+    """The registered process-group name behind one mesh axis (what functional collectives take)."""
+    return mesh.get_group(axis).group_name

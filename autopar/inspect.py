@@ -10,7 +10,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 from rich.text import Text
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.inspect_explain import diff, explain
 from autopar.inspect_fmt import (TOP_LEVEL, axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
@@ -28,22 +28,14 @@ _MAX_COLLECTIVES = 12
 
 # --- techniques ---------------------------------------------------------------------------------------------
 
-_MATMULS = ("mm", "addmm", "matmul", "linear")
+# Forward matmuls: (activation operand, weight operand) positions among the tensor inputs.
+_MATMULS = {"mm": (0, 1), "matmul": (0, 1), "linear": (0, 1), "addmm": (1, 2)}
 
 
 def batch_axes(plan: Any) -> set[int]:
-    """Mesh axes over which the batch is split: where forward matmuls read activations split on dim 0 (the
-    flattened batch*seq rows). Inputs alone do not tell: token ids are often kept whole and sliced for free."""
-    axes: set[int] = set()
-    seen = False
-    for key, n in plan.nodes.items():
-        if "/fwd/" in key and n.ins and n.ins[0] is not None and _op_name(n.op) in _MATMULS:
-            seen = True
-            axes |= {a for a, p in enumerate(n.ins[0]) if isinstance(p, Shard) and p.dim == 0}
-    if not seen:  # no matmul to look at: fall back on how the inputs are split
-        axes = {a for lay in plan.inputs if lay is not None for a, p in enumerate(lay)
-                if isinstance(p, Shard) and p.dim == 0}
-    return axes
+    """Mesh axes over which some input is split along its batch dim (dim 0)."""
+    return {a for lay in plan.inputs if lay is not None for a, p in enumerate(lay) if isinstance(p, Shard)
+            and p.dim == 0}
 
 
 def _op_name(op: str) -> str:
@@ -61,10 +53,40 @@ def _param_shares(plan: Any, axis: int) -> tuple[float, float]:
     return (sharded / total, 1 - sharded / total) if total else (0.0, 0.0)
 
 
+def matmul_roles(plan: Any) -> dict[tuple[int, str], float]:
+    """{(axis, role): share of all parameter elements} from how each forward matmul runs on each axis: on a
+    weight shard ("tp"), or on a batch shard with the weight stored replicated ("dp") or stored sharded and
+    gathered for use ("fsdp"). A matmul is tied to its weight by module name (`<module>/fwd/mm`)."""
+    total = sum(param_weight(plan, k) for k in plan.params) or 1.0
+    roles: dict[tuple[int, str], float] = {}
+    for key, n in plan.nodes.items():
+        pos = _MATMULS.get(_op_name(n.op))
+        pkey = f"{node_module(key)}.weight"
+        if "/fwd/" not in key or pos is None or pkey not in plan.params or max(pos) >= len(n.ins):
+            continue
+        act, weight = n.ins[pos[0]], n.ins[pos[1]]
+        if act is None or weight is None:
+            continue
+        share = param_weight(plan, pkey) / total
+        for a, size in enumerate(plan.mesh.shape):
+            if size == 1:
+                continue
+            if not isinstance(weight[a], Replicate):
+                role = "tp"
+            elif isinstance(act[a], Shard) and act[a].dim == 0:
+                role = "fsdp" if isinstance(plan.params[pkey][a], Shard) else "dp"
+            else:
+                continue
+            roles[(a, role)] = roles.get((a, role), 0.0) + share
+    return roles
+
+
 def tensor_axes(plan: Any) -> set[int]:
+    """Axes that split parameters without splitting the batch, or on which matmuls run on weight shards."""
     batch = batch_axes(plan)
-    return {a for a in range(len(plan.mesh.shape)) if a not in batch and plan.mesh.shape[a] > 1
-            and _param_shares(plan, a)[0] >= _SIGNIFICANT}
+    by_params = {a for a in range(len(plan.mesh.shape)) if a not in batch and plan.mesh.shape[a] > 1
+                 and _param_shares(plan, a)[0] >= _SIGNIFICANT}
+    return by_params | {a for (a, role), share in matmul_roles(plan).items() if role == "tp" and share >= _SIGNIFICANT}
 
 
 def _sequence_parallel(plan: Any, tp: set[int]) -> bool:
@@ -93,7 +115,10 @@ def _context_parallel(plan: Any) -> bool:
 
 def techniques(plan: Any) -> frozenset[str]:
     """The parallelism techniques a plan amounts to, named as people name them (see TECHNIQUES)."""
-    found = set()
+    # Two readings, united: how inputs and stored parameters are split (an axis splitting the batch is data
+    # parallel, fully sharded when it also splits parameters), and how each matmul actually runs, which also
+    # catches plans that give one axis different roles in different layers.
+    found = {role for (_, role), share in matmul_roles(plan).items() if share >= _SIGNIFICANT}
     for a in batch_axes(plan):
         if plan.mesh.shape[a] == 1:
             continue
@@ -289,4 +314,4 @@ def _short(key: str, plan: Any) -> str:
     return name.removesuffix(".weight")
 
 
-__all__ += ["batch_axes", "tensor_axes", "techniques_text", "TOP_LEVEL"]
+__all__ += ["batch_axes", "tensor_axes", "matmul_roles", "techniques_text", "TOP_LEVEL"]

@@ -8,10 +8,9 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from autopar.layout import fmt_layout
 from autopar.inspect_fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
-                                 fmt_time, instances, mesh_text, r6, render, shard_factor,
-                                 signed)
+                                 fmt_time, instances, mesh_text, r6, render, shard_factor, signed)
+from autopar.layout import fmt_layout
 
 _NEAR = 0.01  # alternatives within 1% of the chosen time count as ties (cost rounding)
 _DIFF_ROWS = 40
@@ -71,8 +70,8 @@ def _explain_param(plan: Any, key: str) -> list:
         g.add_row(f"  over {a}", describe_placement(p) + (f" ({plan.mesh.axis_size(a)} ways)" if
                                                         describe_placement(p) != "replicated" else ""))
     if numel is not None:
-        g.add_row("elements", f"{fmt_count(numel)} in all, {fmt_count(numel / shard_factor(lay, plan.mesh.shape))}"
-                              " per rank")
+        g.add_row("elements", f"{fmt_count(numel)}{' per layer' if n > 1 else ''}, "
+                              f"{fmt_count(numel / shard_factor(lay, plan.mesh.shape))} of them per rank")
     return [Text(head, style="bold underline"), g]
 
 
@@ -117,11 +116,13 @@ def _why(plan: Any, chosen: dict, alts: list[dict]) -> str:
     if not faster:
         lean = [a for a in others if a["time_s"] <= chosen["time_s"] + tol]
         if lean:
-            return "tied for the fastest option here; the tie goes to the lower-memory layout or to what " \
-                   "neighbouring nodes prefer"
-        return "the fastest option here" + (
-            f"; the next best ({others[0]['strategy']}) is {fmt_time(min(a['time_s'] for a in others) - chosen['time_s'])}"
-            " slower" if others else "")
+            return ("tied for the fastest option here; the tie goes to the lower-memory layout or to what "
+                    "neighbouring nodes prefer")
+        if not others:
+            return "the fastest option here"
+        nxt = min(others, key=lambda a: a["time_s"])
+        return f"the fastest option here; the next best ({nxt['strategy']}) is " \
+               f"{fmt_time(nxt['time_s'] - chosen['time_s'])} slower"
     best = min(faster, key=lambda a: a["time_s"])
     gain = chosen["time_s"] - best["time_s"]
     extra = best["memory_bytes"] - chosen["memory_bytes"]

@@ -353,17 +353,20 @@ def plan_recipe(name: str, model: Any, mesh: Any, example_inputs: Sequence[Any],
         return autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             config=pinned)
 
-    note = ""
+    notes = []
     try:
         p = run(True)
     except ValueError as e:
         if "pin 'act:" not in str(e):
             raise
         p = run(False)
-        note = "weights pinned only (activation pins did not apply to this model)"
+        notes.append("weights pinned only (activation pins did not apply to this model)")
+    if name in ("ddp", "fsdp") and batch and batch % spec.size:
+        notes.append(f"batch {batch} does not split over all {spec.size} ranks, so only "
+                     f"{','.join(data_axes(spec))} carries it")
     p.solver_stats["recipe"] = name
-    if note:
-        p.solver_stats["recipe_note"] = note
+    if notes:
+        p.solver_stats["recipe_note"] = "; ".join(notes)
     return p
 
 

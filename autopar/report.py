@@ -210,11 +210,10 @@ def build_sections(plan: Any) -> list[tuple[str, str, list[tuple[str, Figure | N
     """[(section title, html, [(figure name, figure)])] in report order."""
     from autopar.inspect import format_plan, techniques_text
 
-    cb = plan.cost_breakdown
+    parts = " / ".join(fmt_time(plan.cost_breakdown.get(k)) for k in ("compute_s", "exposed_comm_s", "optimizer_s"))
     summary = _table(["", ""], [["mesh", mesh_text(plan)], ["device", plan.device],
                                 ["step time", fmt_time(plan.estimated_step_time)],
-                                ["compute / exposed comm / optimizer",
-                                 " / ".join(fmt_time(cb.get(k)) for k in ("compute_s", "exposed_comm_s", "optimizer_s"))],
+                                ["compute / exposed comm / optimizer", parts],
                                 ["peak memory per rank", fmt_bytes(plan.peak_memory_per_rank)
                                  + (f" of {fmt_bytes(plan.memory_limit)}" if plan.memory_limit else "")],
                                 ["techniques", techniques_text(plan)]], "summary")

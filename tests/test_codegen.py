@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar.capture import capture
 from autopar.codegen import CodegenError, RankSpec, collectives, generate
-from autopar.codegen.collectives import checked_steps, safe_steps, steps_valid
+from autopar.codegen.collectives import checked_steps, collective_kind, safe_steps, steps_valid
 from autopar.config import Config, SolverConfig
 from autopar.layout import local_shape
 from autopar.models.llama import LLAMA3_8B, LLAMA_TINY, Llama, cross_entropy_loss
@@ -131,15 +131,15 @@ def test_llama_8b_widths_on_8x8_local_shapes_and_groups():
     n = 0
     for gm in (prog.forward, prog.backward):
         for node in gm.graph.nodes:
-            name = getattr(getattr(node.target, "_schema", None), "name", "")
-            if not name.startswith("_c10d_functional::") or name.endswith("wait_tensor"):
+            name = collective_kind(node)
+            if name is None:
                 continue
             n += 1
             group = node.args[-1]
             assert group in sizes, (node.format_node(), group)
-            if name.endswith(("all_gather_into_tensor", "reduce_scatter_tensor")):
+            if name in ("all_gather", "reduce_scatter"):
                 assert node.args[-2] == sizes[group]
-            if name.endswith("all_to_all_single"):
+            if name == "all_to_all":
                 assert len(node.args[1]) == sizes[group]
     assert n > 0
     # Every local value has the local shape of its planned layout (checked while generating); the loss is

@@ -141,7 +141,8 @@ def _train(pm_or_model, inputs, loss_fn, distributed: bool) -> dict:
 
 
 def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    # A copy: clip_grad_norm_ and the optimizer change grads and weights in place afterwards.
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def train_parallel(name, shape, names, plan: str) -> dict:

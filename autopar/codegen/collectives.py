@@ -24,8 +24,7 @@ aten = torch.ops.aten
 def _c10d():
     from autopar import _torch_compat as compat
 
-    compat.functional_collectives()  # registers the _c10d_functional ops
-    return torch.ops._c10d_functional
+    return compat.c10d_functional_ops()
 
 
 COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single")
@@ -33,10 +32,11 @@ COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor
 
 def collective_kind(node: fx.Node) -> str | None:
     """'all_gather' / 'all_reduce' / 'reduce_scatter' / 'all_to_all' for a functional collective node."""
-    name = getattr(node.target, "_schema", None) and node.target._schema.name
-    if not name or not name.startswith("_c10d_functional::"):
+    from autopar import _torch_compat as compat
+
+    ns, op = compat.op_namespace_and_name(node.target)
+    if ns != "_c10d_functional":
         return None
-    op = name.split("::", 1)[1]
     return {"all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce",
             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}.get(op)
 

@@ -19,6 +19,7 @@ from autopar.layout import fmt_layout, local_shape
 from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
+GRAD_SYNC = "autopar_grad_sync"
 
 
 @dataclasses.dataclass
@@ -184,6 +185,7 @@ class _Lowering:
     def _output(self) -> None:
         cap = self.cap
         loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
+        before = set(self.b.graph.nodes)
         names: dict[str, list[str]] = {f: [f] for f in cap.params if f not in self.tied}
         for alias, canon in self.tied.items():
             names[canon].append(alias)
@@ -198,6 +200,9 @@ class _Lowering:
                 g = self._arg(g, layout, "bwd", f"the gradient of {name}")
                 total = g if total is None else self.b.call(torch.ops.aten.add.Tensor, (total, g), phase="bwd")
             grads.append(total)
+        for n in self.b.graph.nodes:
+            if n not in before:
+                n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         self.b.output((loss, *grads))
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from autopar.codegen.lower import LocalJoint
+from autopar.codegen.lower import GRAD_SYNC, LocalJoint
 
 
 @dataclasses.dataclass
@@ -59,10 +59,11 @@ def split(joint: LocalJoint) -> LocalProgram:
     # Backward nodes the grads need, and the forward values they read.
     live_bwd = _ancestors([g for g in grads if g is not None], stop=lambda n: not is_bwd(n))
     saved: list[fx.Node] = []
+    saved_set: set[fx.Node] = set()
     recompute: set[fx.Node] = set()
 
     def need(a: fx.Node) -> None:
-        if is_bwd(a) or a in recompute or a in saved:
+        if is_bwd(a) or a in recompute or a in saved_set:
             return
         if a in recomputable:
             recompute.add(a)
@@ -70,6 +71,7 @@ def split(joint: LocalJoint) -> LocalProgram:
                 need(x)
         else:
             saved.append(a)
+            saved_set.add(a)
 
     for n in graph.nodes:
         if n in live_bwd:
@@ -86,6 +88,12 @@ def split(joint: LocalJoint) -> LocalProgram:
     return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
                         n_inputs=len(joint.inputs), saved=[s.name for s in saved],
                         recomputed=sorted((n.name for n in recompute), key=lambda x: x), joint=joint)
+
+
+def _is_wait(n: fx.Node) -> bool:
+    from autopar import _torch_compat as compat
+
+    return compat.op_namespace_and_name(n.target) == ("_c10d_functional", "wait_tensor")
 
 
 def _ancestors(roots: list[fx.Node], stop) -> set[fx.Node]:
@@ -137,12 +145,31 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
             emit(a)
         _copy(g, n, env)
 
+    # Gradient synchronization (the collectives taking each gradient to its parameter's layout) is issued
+    # as soon as the gradient exists and waited on at the end, so it overlaps the rest of the backward.
+    sync = [n for n in joint.gm.graph.nodes if n in live_bwd and n.meta.get(GRAD_SYNC)]
+
+    def issue_ready() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for n in list(sync):
+                if _is_wait(n) or not all(a in env for a in n.all_input_nodes):
+                    continue
+                emit(n)
+                sync.remove(n)
+                progress = True
+
     for n in joint.gm.graph.nodes:
-        if n in live_bwd and n.op == "call_function":
+        if n in live_bwd and n.op == "call_function" and not n.meta.get(GRAD_SYNC):
             for a in n.all_input_nodes:
                 if a in recompute:
                     emit(a)
             emit(n)
+            if sync:
+                issue_ready()
+    for n in sync:
+        emit(n)
     for gr in grads:
         if gr is not None and gr not in env:
             emit(gr)

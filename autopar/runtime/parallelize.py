@@ -25,8 +25,11 @@ def _world() -> tuple[int, int]:
 
 
 def rank_spec(mesh: DeviceMesh) -> RankSpec:
+    """This rank's coordinates and the process group behind each axis of a real mesh."""
+    from autopar import _torch_compat as compat
+
     names = tuple(mesh.mesh_dim_names)
-    groups = tuple(mesh.get_group(n).group_name for n in names)
+    groups = tuple(compat.group_name_of(mesh, n) for n in names)
     return RankSpec(names, tuple(int(s) for s in mesh.mesh.shape), mesh_coords(mesh), groups, mesh.device_type)
 
 
@@ -46,10 +49,11 @@ def _check_mesh(mesh: DeviceMesh, world: int) -> None:
 
 
 def _reject_collectives(cap) -> None:
+    from autopar import _torch_compat as compat
+
     for node in cap.gm.graph.nodes:
-        ns = getattr(node.target, "namespace", None)
-        if node.op == "call_function" and ns in ("_c10d_functional", "c10d", "_c10d_functional_autograd",
-                                                  "_dtensor"):
+        ns, _ = compat.op_namespace_and_name(node.target)
+        if node.op == "call_function" and ns in compat.C10D_NAMESPACES:
             raise ValueError(f"the model already communicates: {node.target} in {cap.module_of.get(node) or 'the root'} "
                              f"({cap.names.get(node, node.name)}). autopar inserts every collective itself; pass the "
                              "single-device model, without explicit collectives, DTensor or FSDP/TP wrappers")
