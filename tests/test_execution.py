@@ -7,8 +7,10 @@ match the single-device run in fp32.
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
+import random
 
 import pytest
 import torch
@@ -97,20 +99,33 @@ def _pins(name: str, names: tuple[str, ...], kind: str) -> dict:
     return pins
 
 
+def _random_choice_pass(seed: int):
+    """Stands in for the solver: any strategy the rules allow, at random, must compute the same values."""
+    def choose_at_random_pass(gm, ctx):
+        rng = random.Random(seed)
+        ctx.choice = {k: rng.randrange(len(v)) for k, v in sorted(ctx.strategies.items())}
+        return gm
+    return choose_at_random_pass
+
+
 @functools.lru_cache(maxsize=None)
 def plan_json(name: str, shape: tuple[int, ...], names: tuple[str, ...], kind: str) -> str:
     from autopar.api import make_context
-    from autopar.passes import run_passes
+    from autopar.passes import PASSES, run_passes, solve_placements_pass
 
     model, inputs, loss_fn = build(name)
     config = Config(solver=QUIET)
-    if kind != "solver":
+    passes = PASSES
+    if kind.startswith("random"):
+        seed = int(kind.split(":")[1])
+        passes = tuple(_random_choice_pass(seed) if p is solve_placements_pass else p for p in PASSES)
+    elif kind != "solver":
         config = config.with_(pins=_pins(name, names, kind))
     if kind == "dp":
         config = config.with_(input_placements={i: tuple(Shard(0) for _ in names) for i in range(len(inputs))})
     ctx = make_context(model, autopar.fake_mesh(shape, names, "cpu"), inputs, None, loss_fn, config,
                        template_layers=None)
-    run_passes(ctx.captured.gm, ctx)
+    run_passes(ctx.captured.gm, ctx, passes)
     return ctx.plan.to_json()
 
 
@@ -183,6 +198,8 @@ CASES = [
     ("llama", "dp4", "solver"), ("llama", "dp4", "fsdp"),
     ("llama", "tp2", "solver"), ("llama", "tp2", "megatron"),
     ("llama", "dp2xtp2", "solver"), ("llama", "dp2xtp2", "megatron"), ("llama", "dp2xtp2", "fsdp_tp"),
+    # Random strategies exercise every collective and nesting of shards the rules allow.
+    ("mlp", "dp2xtp2", "random:1"), ("mlp", "dp2xtp2", "random:2"), ("llama", "dp2xtp2", "random:1"),
 ]
 
 
@@ -191,12 +208,10 @@ def test_matches_single_device(name, mesh, kind):
     shape, names = MESHES[mesh]
     pool = get_pool(math.prod(shape))  # boots in the background while this process plans
     plan = plan_json(name, shape, names, kind)
-    if kind != "solver":
+    if kind not in ("solver",) and not kind.startswith("random"):
         placements = Plan.from_json(plan).param_placements()
         pins = _pins(name, names, kind)
         for fqn, lay in placements.items():
-            import fnmatch
-
             want = next(v for k, v in pins.items() if fnmatch.fnmatch(fqn, k))
             assert lay == want, (fqn, lay, want)
     results = pool.run(train_parallel, name, shape, names, plan)
