@@ -38,9 +38,9 @@ def reduce_problem(p: IlpProblem) -> Reduced:
         else:
             # Express the edge directly over strategy pairs' layout classes; parallel edges with the same
             # classes add up.
-            pair_edges[(e.src, e.dst, tuple(e.src_index), tuple(e.dst_index))].append(cost)
+            pair_edges[(e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), cost.shape)].append(cost)
     edges = [(src, dst, np.asarray(si), np.asarray(di), sum(costs))
-             for (src, dst, si, di), costs in pair_edges.items()]
+             for (src, dst, si, di, _), costs in pair_edges.items()]
     memory = {k: np.asarray(p.memory.get(k, [0.0] * n), dtype=float) for k, n in p.n_strategies.items()}
     kept = {k: _undominated(k, n, linear, memory, edges) for k, n in p.n_strategies.items()}
     pos = {k: {orig: i for i, orig in enumerate(v)} for k, v in kept.items()}
