@@ -72,12 +72,20 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]
                         changed = True
     cur = list(src)
     steps: list[Step] = []
+
+    def blocked(a: int, dim: int) -> bool:
+        # Sharding `dim` directly on axis a is only valid if no other axis will still have to undo a shard
+        # of that dim around it: earlier touched axes change later in this loop, later ones nest inside.
+        return (any(b in touch and cur[b] != dst[b] and dim in _dims_of(cur[b]) + _dims_of(dst[b])
+                    for b in range(a))
+                or any(isinstance(cur[b], Shard) and cur[b].dim == dim for b in range(a + 1, n))
+                or bool(_shards_dim(dst, dim, a)))
+
     for a in sorted(touch, reverse=True):
         s, t = cur[a], dst[a]
         if isinstance(s, Shard):
-            later = [b for b in range(a + 1, n) if b in touch or isinstance(cur[b], Shard)]
-            nested = any(isinstance(cur[b], Shard) and cur[b].dim in (s.dim, getattr(t, "dim", -1)) for b in later)
-            if isinstance(t, Shard) and t.dim != s.dim and not nested and not _shards_dim(dst, t.dim, a):
+            if isinstance(t, Shard) and t.dim != s.dim and not blocked(a, t.dim) and not any(
+                    isinstance(cur[b], Shard) and cur[b].dim == s.dim for b in range(a + 1, n)):
                 steps.append(Step("all_to_all", a, s.dim, t.dim))
                 cur[a] = t
             else:
@@ -87,8 +95,7 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]
             if isinstance(t, Partial):
                 steps.append(_rescale(a, s, t))
                 cur[a] = t
-            elif isinstance(t, Shard) and not any(isinstance(cur[b], Shard) and cur[b].dim == t.dim
-                                                  for b in range(a + 1, n)) and not _shards_dim(dst, t.dim, a):
+            elif isinstance(t, Shard) and not blocked(a, t.dim):
                 steps.append(Step("reduce_scatter", a, t.dim, op=s.reduce_op))
                 cur[a] = t
             else:

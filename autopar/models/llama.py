@@ -131,6 +131,9 @@ class Llama(nn.Module):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std_out = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos.to(self.rope_cos.dtype))
+            self.rope_sin.copy_(sin.to(self.rope_sin.dtype))
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
