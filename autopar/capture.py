@@ -235,6 +235,8 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
     out.args = (tuple(v for i, v in enumerate(values) if i not in drop),)
     out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
     gm.graph.eliminate_dead_code()
+    # The traced pytree calling convention counted the dropped inputs; the graph now takes flat arguments.
+    gm.graph.set_codegen(fx.graph.CodeGen())
     gm.recompile()
 
 
