@@ -48,6 +48,14 @@ class MLP(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
 
 
+class ScaledMLP(MLP):
+    """Multiplies by a tensor built inside forward: the graph holds it as a constant."""
+
+    def forward(self, x, y):
+        scale = torch.tensor([1.0 + i / 64 for i in range(64)])
+        return self.fc2(F.silu(self.fc1(x)) * scale)
+
+
 class TiedLM(nn.Module):
     """Embedding and output projection share one weight."""
 
@@ -60,6 +68,21 @@ class TiedLM(nn.Module):
 
     def forward(self, tokens):
         return self.out(torch.tanh(self.mid(self.emb(tokens))))
+
+
+class WithLabels(nn.Module):
+    """A transformers model called with labels returns its own loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return self.model(x, labels=labels).loss
+
+
+def own_loss(out, *inputs):
+    return out
 
 
 def mse(out, x, y):
@@ -76,6 +99,13 @@ def build(name: str):
         return Llama(LLAMA_TINY), (torch.randint(0, LLAMA_TINY.vocab_size, (4, 16), generator=gen),), cross_entropy_loss
     if name == "tied":
         return TiedLM(), (torch.randint(0, 64, (8, 12), generator=gen),), cross_entropy_loss
+    if name == "scaled":
+        return ScaledMLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
+    if name.startswith("hf_"):
+        from autopar.testing.hf_models import MODELS
+
+        model, args, kwargs = MODELS[name[3:]](batch=4, **({} if name == "hf_vit" else {"seq": 16}))
+        return WithLabels(model), (*args, kwargs["labels"]), own_loss
     raise KeyError(name)
 
 
@@ -195,9 +225,13 @@ CASES = [
     ("mlp", "dp4", "solver"), ("mlp", "dp4", "dp"), ("mlp", "dp4", "fsdp"),
     ("mlp", "tp2", "solver"), ("mlp", "tp2", "megatron"),
     ("mlp", "dp2xtp2", "solver"), ("mlp", "dp2xtp2", "megatron"), ("mlp", "dp2xtp2", "fsdp_tp"),
-    ("llama", "dp4", "solver"), ("llama", "dp4", "fsdp"),
+    ("llama", "dp4", "solver"), ("llama", "dp4", "dp"), ("llama", "dp4", "fsdp"),
     ("llama", "tp2", "solver"), ("llama", "tp2", "megatron"),
     ("llama", "dp2xtp2", "solver"), ("llama", "dp2xtp2", "megatron"), ("llama", "dp2xtp2", "fsdp_tp"),
+    # Models people train, from transformers (random init, dropout 0): the solver's plan.
+    ("hf_llama", "dp2xtp2", "solver"), ("hf_qwen2", "dp2xtp2", "solver"), ("hf_gpt2", "dp2xtp2", "solver"),
+    ("hf_bert", "dp2xtp2", "solver"), ("hf_t5", "dp2xtp2", "solver"), ("hf_vit", "dp2xtp2", "solver"),
+    ("hf_llama", "dp2xtp2", "random:5"),
     # Random strategies exercise every collective and nesting of shards the rules allow.
     ("mlp", "dp2xtp2", "random:1"), ("mlp", "dp2xtp2", "random:2"), ("llama", "dp2xtp2", "random:1"),
 ]
@@ -221,10 +255,17 @@ def test_matches_single_device(name, mesh, kind):
 def test_tied_weights_stay_one_parameter():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
-    plan = plan_json("tied", shape, names, "solver")
+    plan = plan_json("tied", shape, names, "random:3")
     results = pool.run(train_parallel, "tied", shape, names, plan)
     check_against_reference("tied", results)
     assert "out.weight" not in results[0]["grads"]  # named_parameters() lists the shared weight once
+
+
+def test_constants_built_in_forward():
+    shape, names = MESHES["dp2xtp2"]
+    pool = get_pool(4)
+    results = pool.run(train_parallel, "scaled", shape, names, plan_json("scaled", shape, names, "random:4"))
+    check_against_reference("scaled", results)
 
 
 # --- API behaviour on real ranks ----------------------------------------------------------------------------
@@ -340,6 +381,40 @@ def test_user_errors_are_value_errors():
     assert msg.startswith("PlanMismatchError") and "mesh" in msg, msg
     msg = pool.run(expect_error, "_user_collective", None)[0]
     assert "already communicates" in msg, msg
+
+
+def plan_on_rank0(batch_by_rank: tuple[int, ...]) -> str:
+    model, (x, y), loss_fn = build("mlp")
+    b = batch_by_rank[torch.distributed.get_rank()]
+    try:
+        pm = autopar.parallelize(model, _mesh((2,), ("dp",)), (x[:b], y[:b]), loss_fn=loss_fn,
+                                 config=Config(solver=QUIET))
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return f"{pm(x, y).item():.6f} {pm.plan.digest()}"
+
+
+def test_rank0_plans_and_every_rank_checks_the_graph():
+    pool = get_pool(2)
+    same = pool.run(plan_on_rank0, (16, 16))
+    assert same[0] == same[1]
+    assert float(same[0].split()[0]) == pytest.approx(reference("mlp")["losses"][0], rel=1e-5)
+    differ = pool.run(plan_on_rank0, (16, 8))
+    assert all(m.startswith("PlanMismatchError") and "ranks [1]" in m for m in differ), differ
+
+
+def kwargs_inputs() -> list[float]:
+    model, (x, y), loss_fn = build("mlp")
+    pm = autopar.parallelize(model, _mesh((2,), ("dp",)), (x,), example_kwargs={"y": y}, loss_fn=loss_fn,
+                             config=Config(solver=QUIET))
+    return [pm(x, y=y).item(), pm(x, y=y * 0).item()]
+
+
+def test_keyword_inputs():
+    pool = get_pool(2)
+    model, (x, y), loss_fn = build("mlp")
+    got = pool.run(kwargs_inputs)[0]
+    assert got == pytest.approx([loss_fn(model(x, y), x, y).item(), loss_fn(model(x, y), x, y * 0).item()], rel=1e-5)
 
 
 def test_worker_failure_names_rank():
