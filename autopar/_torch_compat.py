@@ -117,3 +117,10 @@ def op_namespace_and_name(target: Any) -> tuple[str | None, str | None]:
 def group_name_of(mesh: DeviceMesh, axis: str) -> str:
     """The registered process-group name behind one mesh axis (what functional collectives take)."""
     return mesh.get_group(axis).group_name
+
+
+def tree_leaves(tree: Any) -> list:
+    """Leaves of nested args/kwargs in the order aot_autograd flattens them (its PlainAOTInput indices)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tree)

@@ -1,7 +1,6 @@
 """Generated per-rank programs, read without running them: which collectives, on which axis, at which shapes."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 import warnings
@@ -111,16 +110,23 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
     assert len(grads) == 4, prog.code()  # each gradient leaves as a reduce-scattered shard
 
 
-def test_llama_8b_widths_on_8x8_local_shapes_and_groups():
-    cfg = dataclasses.replace(LLAMA3_8B, n_layers=2)
+def test_llama3_8b_on_8x8_local_shapes_and_groups():
+    """All 32 layers, planned on the full graph (no template), built on the meta device."""
+    from autopar.api import make_context
+    from autopar.passes import run_passes
+
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = Llama(LLAMA3_8B)
     tokens = torch.zeros(8, 2048, dtype=torch.long)
     mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
     rank = RankSpec.fake(("dp", "tp"), (8, 8), (3, 5))
     t0 = time.perf_counter()
-    plan, cap, prog = program(model, (tokens,), cross_entropy_loss, mesh, rank)
+    ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
+    run_passes(ctx.captured.gm, ctx)
+    plan, cap = ctx.plan, ctx.captured
+    prog = generate(plan, cap, rank)
     assert time.perf_counter() - t0 < 120
+    assert len(cap.params) == 2 + 32 * 9 + 1
     shapes = {n.name: tuple(n.meta["val"].shape) for n in prog.forward.graph.nodes if n.op == "placeholder"}
     for fqn, node in cap.params.items():
         name = fqn.replace(".", "_")

@@ -10,10 +10,9 @@ from autopar.codegen.partition import LocalProgram, split
 from autopar.plan import Plan
 
 
-def generate(plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None) -> LocalProgram:
-    """Lower `cap` under `plan` for one rank and split it into forward and backward graphs (`tied`: see
-    `lower`)."""
-    return split(lower(plan, cap, rank, tied))
+def generate(plan: Plan, cap: Captured, rank: RankSpec) -> LocalProgram:
+    """Lower `cap` under `plan` for one rank and split it into forward and backward graphs."""
+    return split(lower(plan, cap, rank))
 
 
 def collectives(gm, rank: RankSpec | None = None) -> list[tuple[str, str]]:

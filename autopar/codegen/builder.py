@@ -54,6 +54,20 @@ class Builder:
         self.graph = fx.Graph()
         self.mode = compat.fake_tensor_mode()
         self.phase: dict[fx.Node, str] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+
+    def constant(self, name: str, value: torch.Tensor) -> fx.Node:
+        """A tensor the program holds (a constant the model built while tracing): the same on every rank."""
+        self.constants[name] = value
+        node = self.graph.get_attr(name)
+        node.meta["val"] = self.mode.from_tensor(value)
+        return node
+
+    def module(self) -> fx.GraphModule:
+        root = torch.nn.Module()
+        for name, value in self.constants.items():
+            root.register_buffer(name, value)
+        return fx.GraphModule(root, self.graph)
 
     def placeholder(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> fx.Node:
         node = self.graph.placeholder(name)

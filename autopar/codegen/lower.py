@@ -49,16 +49,11 @@ def _out_of(node: fx.Node) -> tuple[fx.Node, int]:
 
 
 class _Lowering:
-    def __init__(self, plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None):
+    def __init__(self, plan: Plan, cap: Captured, rank: RankSpec):
         if tuple(plan.mesh.shape) != tuple(rank.axis_sizes) or tuple(plan.mesh.axis_names) != tuple(rank.axis_names):
             raise ValueError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, the rank "
                              f"belongs to mesh {dict(zip(rank.axis_names, rank.axis_sizes))}")
         self.plan, self.cap, self.rank = plan, cap, rank
-        self.tied = dict(tied or {})
-        for alias, canon in self.tied.items():
-            if alias not in cap.params or canon not in cap.params or canon in self.tied:
-                raise ValueError(f"tied parameters: {alias} -> {canon} must name two graph parameters, "
-                                 f"the second not itself an alias")
         self.b = Builder()
         self.env: dict[fx.Node, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
@@ -88,7 +83,7 @@ class _Lowering:
         kinds.update({n: ("buffer", f) for f, n in cap.buffers.items()})
         nodes = list(cap.gm.graph.nodes)
         for node in nodes:
-            if node.op != "placeholder" or kinds.get(node, (None, None))[1] in self.tied:
+            if node.op != "placeholder":
                 continue
             new = self._placeholder(node)
             layouts[new.name] = self.layout_of(node)
@@ -101,18 +96,15 @@ class _Lowering:
                 tangents.append(new)
             else:
                 inputs.append(new)
-        for alias, canon in self.tied.items():
-            # One parameter under two names: the alias reads the stored tensor in the alias's planned layout.
-            a, c = cap.params[alias], cap.params[canon]
-            self.env[a] = self._redistribute(self.env[c], self.layout_of(c), self.layout_of(a), "fwd",
-                                             f"the tied parameter {alias}")
         for node in nodes:
             if node.op == "call_function":
                 self.env[node] = self._call(node)
+            elif node.op == "get_attr":
+                self.env[node] = self.b.constant(node.target, getattr(cap.gm, node.target))
             elif node.op == "output":
                 self._output()
-        gm = fx.GraphModule(torch.nn.Module(), self.b.graph)
-        params = {f: params[f] for f in cap.params if f not in self.tied}
+        gm = self.b.module()
+        params = {f: params[f] for f in cap.params}
         return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts)
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
@@ -186,20 +178,10 @@ class _Lowering:
         cap = self.cap
         loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
         before = set(self.b.graph.nodes)
-        names: dict[str, list[str]] = {f: [f] for f in cap.params if f not in self.tied}
-        for alias, canon in self.tied.items():
-            names[canon].append(alias)
         grads = []
-        for fqn, group in names.items():
-            layout = self.layout_of(cap.params[fqn])
-            total = None
-            for name in group:  # a tied parameter's gradient sums the gradients of every use
-                g = cap.grads.get(name)
-                if g is None:
-                    continue
-                g = self._arg(g, layout, "bwd", f"the gradient of {name}")
-                total = g if total is None else self.b.call(torch.ops.aten.add.Tensor, (total, g), phase="bwd")
-            grads.append(total)
+        for fqn, pnode in cap.params.items():
+            g = cap.grads.get(fqn)
+            grads.append(None if g is None else self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}"))
         for n in self.b.graph.nodes:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
@@ -268,11 +250,10 @@ def _check_shapes(site: OpSite, new: fx.Node) -> None:
                            f"needs {describe_shapes(want)}; this op has a shape argument codegen does not localize")
 
 
-def lower(plan: Plan, cap: Captured, rank: RankSpec, tied: dict[str, str] | None = None) -> LocalJoint:
-    """The local joint graph of one rank (see LocalJoint). `tied` maps a parameter FQN to the FQN of the
-    parameter it is the same object as (tied weights traced as two graph inputs): the pair becomes one stored
-    parameter whose gradient sums both."""
-    return _Lowering(plan, cap, rank, tied).run()
+def lower(plan: Plan, cap: Captured, rank: RankSpec) -> LocalJoint:
+    """The local joint graph of one rank (see LocalJoint). Tied weights are one graph input already (capture
+    merges them and sums their gradients)."""
+    return _Lowering(plan, cap, rank).run()
 
 
 __all__ = ["LocalJoint", "lower", "local_val_shape"]

@@ -42,7 +42,8 @@ def split(joint: LocalJoint) -> LocalProgram:
     graph = joint.gm.graph
     phase = joint.phase
     params, buffers = list(joint.params.values()), list(joint.buffers.values())
-    persistent = set(params) | set(buffers)
+    constants = {n for n in graph.nodes if n.op == "get_attr"}
+    persistent = set(params) | set(buffers) | constants
     tangents = set(joint.tangents)
     out_node = next(n for n in graph.nodes if n.op == "output")
     loss, *grads = out_node.args[0]
@@ -65,7 +66,7 @@ def split(joint: LocalJoint) -> LocalProgram:
     def need(a: fx.Node) -> None:
         if is_bwd(a) or a in recompute or a in saved_set:
             return
-        if a in recomputable:
+        if a in recomputable or a in constants:
             recompute.add(a)
             for x in a.all_input_nodes:
                 need(x)
@@ -87,7 +88,7 @@ def split(joint: LocalJoint) -> LocalProgram:
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
     return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
                         n_inputs=len(joint.inputs), saved=[s.name for s in saved],
-                        recomputed=sorted((n.name for n in recompute), key=lambda x: x), joint=joint)
+                        recomputed=sorted(n.name for n in recompute), joint=joint)
 
 
 def _is_wait(n: fx.Node) -> bool:
@@ -122,10 +123,10 @@ def _forward_graph(joint: LocalJoint, loss: fx.Node, saved: list[fx.Node]) -> fx
         _copy(g, p, env)
     live = _ancestors([loss, *saved], stop=lambda n: n.op == "placeholder")
     for n in joint.gm.graph.nodes:
-        if n in live and n.op == "call_function":
+        if n in live and n.op in ("call_function", "get_attr"):
             _copy(g, n, env)
     g.output((env[loss], *[env[s] for s in saved]))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return fx.GraphModule(joint.gm, g)  # the joint module holds the constants get_attr nodes read
 
 
 def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.Node], live_bwd: set[fx.Node],
@@ -174,7 +175,7 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
         if gr is not None and gr not in env:
             emit(gr)
     g.output(tuple(env[gr] if gr is not None else None for gr in grads))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return fx.GraphModule(joint.gm, g)
 
 
 def _as_placeholder(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from autopar import _torch_compat as compat
 from autopar.codegen import LocalProgram
 from autopar.layout import fmt_layout
 from autopar.plan import Plan
@@ -21,7 +21,6 @@ class _Runner:
     def __init__(self, program: LocalProgram):
         self.forward = program.forward
         self.backward = program.backward
-        self.n_params = len(program.params)
 
 
 class _TrainStep(torch.autograd.Function):
@@ -69,6 +68,8 @@ class ParallelModule(nn.Module):
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
+        program.forward.to(self._device)  # constants the program holds
+        program.backward.to(self._device)
         for fqn in self._param_order:
             p = nn.Parameter(params[fqn], requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:
@@ -97,7 +98,7 @@ class ParallelModule(nn.Module):
         return loss.detach()
 
     def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves = compat.tree_leaves((args, kwargs))
         out = []
         for i, (leaf_idx, (shape, dtype), layout) in enumerate(zip(self._input_leaves, self._input_specs,
                                                                    self._input_layouts)):
@@ -168,6 +169,9 @@ def _container(root: nn.Module, fqn: str) -> nn.Module:
     for part in fqn.split(".")[:-1]:
         child = mod._modules.get(part)
         if child is None:
+            if hasattr(mod, part):
+                raise ValueError(f"parameter {fqn}: the module name {part!r} clashes with an attribute of "
+                                 f"{type(mod).__name__}; rename the submodule")
             child = nn.Module()
             mod.add_module(part, child)
         mod = child

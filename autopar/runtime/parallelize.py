@@ -108,60 +108,72 @@ def _plan_here(ctx) -> Plan:
     return ctx.plan
 
 
+def _all_ranks_ok(world: int, error: str | None) -> None:
+    """Raise the same PlanMismatchError on every rank when any rank found a problem (so none is left waiting
+    in a collective the others never reach)."""
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error)
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise PlanMismatchError(f"ranks {ranks}: {bad[0][1]}" if len(ranks) < world else bad[0][1])
+
+
 def _agree_on_plan(ctx, plan: Plan | None, world: int, rank: int) -> Plan:
     """Rank 0 plans (or checks the given plan) and broadcasts it; every rank checks what it received."""
     from autopar.passes.build_plan import fingerprint
 
-    if plan is not None:
-        check_plan(plan, ctx)
     if world == 1:
-        return plan if plan is not None else _plan_here(ctx)
+        if plan is not None:
+            check_plan(plan, ctx)
+            return plan
+        return _plan_here(ctx)
+    error = None
+    if plan is not None:
+        try:
+            check_plan(plan, ctx)
+        except PlanMismatchError as e:
+            error = str(e)
+    _all_ranks_ok(world, error)
     msg: list[Any] = [None]
     if rank == 0:
         try:
             p = plan if plan is not None else _plan_here(ctx)
-            msg = [("ok", p.to_json(), p.digest())]
+            msg = [("ok", p.to_json(), p.digest(), fingerprint(ctx))]
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait forever
-            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}", None)], src=0)
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}", None, None)], src=0)
             raise
     dist.broadcast_object_list(msg, src=0)
-    status, text, digest = msg[0]
+    status, text, digest, graph0 = msg[0]
     if status != "ok":
         raise RuntimeError(f"planning failed on rank 0: {text}")
     got = Plan.from_json(text) if rank != 0 else (plan if plan is not None else ctx.plan)
+    error = None
     if got.digest() != digest:
-        raise RuntimeError(f"rank {rank} received a plan whose digest {got.digest()} differs from rank 0's {digest}")
-    mine = fingerprint(ctx)
-    prints: list[Any] = [None] * world
-    dist.all_gather_object(prints, mine)
-    if len(set(prints)) != 1:
-        bad = [r for r, f in enumerate(prints) if f != prints[0]]
-        raise PlanMismatchError(f"ranks {bad} captured a different graph than rank 0 (model, inputs or loss differ "
-                                "across ranks); every rank must build the same model and pass the same example inputs")
-    if plan is None and got.fingerprint != mine:
-        raise PlanMismatchError(f"rank {rank}'s graph does not match the plan rank 0 made")
-    if plan is not None and rank != 0:
-        check_plan(got, ctx)
+        error = f"the plan rank 0 sent arrived with digest {got.digest()}, not {digest}"
+    elif plan is not None and plan.digest() != digest:
+        error = "each rank must pass the same plan= (this one differs from rank 0's)"
+    elif fingerprint(ctx) != graph0:
+        error = ("the graph captured here differs from rank 0's (model, example inputs or loss differ across "
+                 "ranks); every rank must build the same model and pass the same example inputs")
+    _all_ranks_ok(world, error)
     return got
 
 
-def tied_parameters(model: nn.Module, cap) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """(graph alias -> canonical FQN for tied parameters the graph lists twice, canonical -> every other name)."""
+def tied_names(model: nn.Module, cap) -> dict[str, list[str]]:
+    """Graph parameter FQN -> the other names of the same tensor (tied weights, one graph input)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
-    tied, aliases = {}, {}
+    aliases = {}
     for names in by_id.values():
         canon = next((n for n in names if n in cap.params), None)
-        if canon is None or len(names) == 1:
-            continue
-        aliases[canon] = [n for n in names if n != canon]
-        tied.update({n: canon for n in names if n != canon and n in cap.params})
-    return tied, aliases
+        if canon is not None and len(names) > 1:
+            aliases[canon] = [n for n in names if n != canon]
+    return aliases
 
 
-def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | None, tied: dict[str, str],
-             aliases: dict[str, list[str]]):
+def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | None, aliases: dict[str, list[str]]):
     """DTensor params and buffers with the plan's layouts, from real weights or by init on the local shards."""
     def layout(name: str) -> tuple:
         np_ = plan.nodes.get(name) or plan.nodes[plan.key(name)]
@@ -172,8 +184,6 @@ def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | No
     meta = False
     for kind, table in (("param", cap.params), ("buffer", cap.buffers)):
         for fqn, node in table.items():
-            if fqn in tied:
-                continue
             t = model.get_parameter(fqn) if kind == "param" else model.get_buffer(fqn)
             lay = layout(cap.names[node])
             if t.is_meta:
@@ -188,7 +198,7 @@ def _tensors(model: nn.Module, cap, plan: Plan, mesh: DeviceMesh, seed: int | No
             done[fqn] = shard_real(t, mesh, out[fqn][1].placements)
     else:
         done = {fqn: dt for fqn, (_, dt) in out.items()}
-    params = {f: done[f] for f in cap.params if f not in tied}
+    params = {f: done[f] for f in cap.params}
     buffers = {f: done[f] for f in cap.buffers}
     return params, buffers
 
@@ -222,14 +232,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     _reject_collectives(cap)
     annotate_shapes_pass(cap.gm, ctx)
     plan = _agree_on_plan(ctx, plan, world, rank)
-    tied, aliases = tied_parameters(model, cap)
-    program = generate(plan, cap, rank_spec(mesh), tied)
-    params, buffers = _tensors(model, cap, plan, mesh, seed, tied, aliases)
+    aliases = tied_names(model, cap)
+    program = generate(plan, cap, rank_spec(mesh))
+    params, buffers = _tensors(model, cap, plan, mesh, seed, aliases)
     input_specs = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in cap.inputs]
     input_layouts = [tuple(plan.nodes.get(cap.names[n]) and plan.nodes[cap.names[n]].outs[0]
                            or plan.nodes[plan.key(cap.names[n])].outs[0]) for n in cap.inputs]
     leaves = [int(getattr(n.meta.get("desc"), "idx", i)) for i, n in enumerate(cap.inputs)]
-    requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params if f not in tied}
+    requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params}
     return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
                           non_persistent=_non_persistent(model), input_specs=input_specs,
                           input_layouts=input_layouts, input_leaves=leaves, requires_grad=requires_grad)
