@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 

@@ -77,8 +77,3 @@ def divides(shape: Sequence[int], layout: Sequence[Placement], axis_sizes: Seque
                 return False
             cur[p.dim] //= n
     return True
-
-
-def split_factor(layout: Sequence[Placement], axis_sizes: Sequence[int]) -> int:
-    """How many ways the data is split (Shard and Partial both divide the work)."""
-    return math.prod(n for p, n in zip(layout, axis_sizes) if not isinstance(p, Replicate))

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import hashlib
-import operator
 
 import torch.fx as fx
 
 from autopar.passes.context import PassContext
-from autopar.passes.estimate_costs import transition_cost, compute_dtype
 from autopar.plan import NodePlan, Plan, Transition
 from autopar.redistribute import describe_steps, plan_steps
-from autopar.layout import fmt_layout
 
 N_ALTERNATIVES = 4
 

@@ -22,7 +22,6 @@ R = Replicate()
 
 
 def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    cap = ctx.captured
     sizes = ctx.mesh.shape
     pins = _param_pins(ctx)
     ctx.min_inner = ctx.config.solver.min_inner_shard or (1 if ctx.hw.name == "cpu" else 128)

@@ -12,7 +12,6 @@ from torch.distributed.tensor import Replicate
 
 from autopar.cost import collective_time, compute_time, link_spec, param_state_bytes, tensor_bytes
 from autopar.cost.compute import VIEW_OPS
-from autopar.layout import split_factor
 from autopar.passes.context import PassContext
 from autopar.redistribute import plan_steps
 from autopar.rules.base import OpInfo, TensorMeta, op_info

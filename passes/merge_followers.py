@@ -32,7 +32,7 @@ def merge_followers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             leader[key] = (e.src, mapping)
     ctx.follow = {}
     for key in leader:
-        root, idx = key, None
+        root = key
         chain = []
         while root in leader:
             chain.append(root)

@@ -13,7 +13,7 @@ import torch.fx as fx
 from autopar.cost import tensor_bytes
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.passes.estimate_costs import as_compute, compute_dtype, local_bytes, split_of, step_costs
+from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
 from autopar.rules.base import flat_tensor_args, op_info
 
 

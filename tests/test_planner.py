@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.models.llama import LLAMA3_70B, LLAMA_SMALL, Llama, LlamaConfig, cross_entropy_loss
+from autopar.models.llama import LLAMA3_70B, LLAMA_SMALL, Llama, cross_entropy_loss
 
 QUIET = autopar.SolverConfig(show_progress=False)
 

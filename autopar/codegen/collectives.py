@@ -7,7 +7,6 @@ division, so any backend (gloo has no AVG everywhere) computes the same.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
@@ -15,8 +14,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.layout import fmt_layout
-from autopar.redistribute import Step, describe_steps, plan_steps
+from autopar.redistribute import Step, plan_steps
 
 aten = torch.ops.aten
 
@@ -53,25 +51,12 @@ def redistribute(b: Builder, x: fx.Node, src: Sequence[Placement], dst: Sequence
     return x
 
 
-_WARNED: set[tuple] = set()
-
-
 def checked_steps(src: tuple, dst: tuple, axis_names: Sequence[str] = ()) -> list[Step]:
-    """plan_steps(src, dst) when its sequence is valid under DTensor's nesting; otherwise a gather-then-chunk
-    sequence that is (the cost model priced the other one, so this warns once per transition)."""
+    """plan_steps(src, dst), checked against DTensor's nesting of shards (an internal invariant: the cost
+    model priced exactly these steps)."""
     steps = plan_steps(src, dst)
-    if steps_valid(src, dst, steps):
-        return steps
-    safe = safe_steps(src, dst)
-    key = (src, dst)
-    if key not in _WARNED:
-        _WARNED.add(key)
-        names = list(axis_names) or [str(i) for i in range(len(src))]
-        warnings.warn(f"redistribute.plan_steps({fmt_layout(src)} -> {fmt_layout(dst)}) gives "
-                      f"[{describe_steps(steps, names)}], which breaks the nesting of shards on one dim; "
-                      f"emitting [{describe_steps(safe, names)}] instead", stacklevel=2)
-    assert steps_valid(src, dst, safe), (src, dst, safe)
-    return safe
+    assert steps_valid(src, dst, steps), (src, dst, steps)
+    return steps
 
 
 def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Sequence[Step]) -> bool:
@@ -106,42 +91,6 @@ def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Seque
             return False
         cur[a] = new
     return tuple(cur) == tuple(dst)
-
-
-def safe_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
-    """Undo every changed axis (and the axes nested inside it) to Replicate, innermost first, then shard or
-    partialize outermost first. Always valid; used only when plan_steps is not."""
-    n = len(src)
-    touch = {a for a in range(n) if src[a] != dst[a]}
-    grew = True
-    while grew:
-        grew = False
-        for a in sorted(touch):
-            dims = [p.dim for p in (src[a], dst[a]) if isinstance(p, Shard)]
-            for b in range(a + 1, n):
-                if b not in touch and any(isinstance(x, Shard) and x.dim in dims for x in (src[b], dst[b])):
-                    touch.add(b)
-                    grew = True
-    cur, steps = list(src), []
-    for a in sorted(touch, reverse=True):
-        s, t = cur[a], dst[a]
-        if isinstance(s, Partial) and isinstance(t, Partial):
-            if s != t:
-                steps.append(Step("rescale", a, op=f"{s.reduce_op}_to_{t.reduce_op}"))
-                cur[a] = t
-        elif isinstance(s, Shard):
-            steps.append(Step("all_gather", a, s.dim))
-            cur[a] = Replicate()
-        elif isinstance(s, Partial):
-            steps.append(Step("all_reduce", a, op=s.reduce_op))
-            cur[a] = Replicate()
-    for a in range(n):
-        if cur[a] == dst[a]:
-            continue
-        t = dst[a]
-        steps.append(Step("chunk", a, t.dim) if isinstance(t, Shard) else Step("partialize", a, op=t.reduce_op))
-        cur[a] = t
-    return steps
 
 
 def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "") -> fx.Node:

@@ -43,7 +43,6 @@ def reduce_problem(p: IlpProblem) -> Reduced:
              for (src, dst, si, di, _), costs in pair_edges.items()]
     memory = {k: np.asarray(p.memory.get(k, [0.0] * n), dtype=float) for k, n in p.n_strategies.items()}
     kept = {k: _undominated(k, n, linear, memory, edges) for k, n in p.n_strategies.items()}
-    pos = {k: {orig: i for i, orig in enumerate(v)} for k, v in kept.items()}
     new_edges = []
     for src, dst, si, di, cost in edges:
         new_edges.append(IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]],
@@ -53,7 +52,6 @@ def reduce_problem(p: IlpProblem) -> Reduced:
                    memory={k: [float(memory[k][o]) for o in kept[k]] for k in kept},
                    edges=new_edges, memory_limit=p.memory_limit, time_limit_s=p.time_limit_s, seed=p.seed,
                    workers=p.workers, fixed_memory=p.fixed_memory)
-    del pos
     return Reduced(q, kept)
 
 
