@@ -66,7 +66,7 @@ def test_megatron_mlp_forward_has_one_all_reduce_on_tp():
     assert shapes["fc1_bias"] == (2048,) and shapes["fc2_bias"] == (1024,)
 
 
-def test_data_parallel_reduces_each_gradient_once():
+def test_data_parallel_reduces_gradients_in_buckets():
     model, inputs = _mlp(1024, 4096, 1024, 65536)
     rank = RankSpec.fake(("dp",), (8,), (5,))
     plan, cap, prog = program(model, inputs, mse, autopar.fake_mesh(8, "dp"), rank, device="h100",
@@ -76,8 +76,9 @@ def test_data_parallel_reduces_each_gradient_once():
     assert fwd == [("all_reduce", "dp")], prog.code()
     out = next(n for n in prog.forward.graph.nodes if n.op == "output")
     assert _feeds(out.args[0][0], prog.forward) == fwd
-    # Backward: one all_reduce per gradient, nothing else.
-    assert bwd == [("all_reduce", "dp")] * len(cap.params), prog.code()
+    # Backward: the four gradients all-reduced in 25 MiB buckets, nothing else: fc2's bias and weight with
+    # fc1's bias (16.8 MB), then fc1's weight (16.8 MB) in a second bucket.
+    assert bwd == [("all_reduce", "dp")] * 2, prog.code()
 
 
 def _feeds(node, gm):

@@ -151,6 +151,42 @@ def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint
     raise CodegenError(f"unknown redistribution step {st}")
 
 
+def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: int, rank: RankSpec,
+                        bucket_bytes: int) -> dict[str, fx.Node]:
+    """Sum-all-reduce many tensors over one axis with few collectives: flatten and concatenate up to
+    `bucket_bytes` per bucket, reduce once, and slice the results back into shape."""
+    out: dict[str, fx.Node] = {}
+    bucket: list[tuple[str, fx.Node]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if not bucket:
+            return
+        flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
+        cat = flat[0] if len(flat) == 1 else b.call(aten.cat.default, (flat,), phase="bwd")
+        y = emit_step(b, cat, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
+        offset = 0
+        for fqn, x in bucket:
+            shape = list(local_val_shape(x))
+            n = 1
+            for s in shape:
+                n *= s
+            part = b.call(aten.slice.Tensor, (y, 0, offset, offset + n), phase="bwd")
+            out[fqn] = b.call(aten.view.default, (part, shape), phase="bwd")
+            offset += n
+        bucket, size = [], 0
+
+    for fqn, x in items:
+        nbytes = x.meta["val"].numel() * x.meta["val"].element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            flush()
+        bucket.append((fqn, x))
+        size += nbytes
+    flush()
+    return out
+
+
 def _reduce_op(op: str | None) -> str:
     if op in ("sum", "avg"):
         return op

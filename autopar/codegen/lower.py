@@ -12,7 +12,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.codegen.collectives import redistribute
+from autopar.codegen.collectives import bucketed_all_reduce, checked_steps, redistribute
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.layout import fmt_layout, local_shape
@@ -20,6 +20,7 @@ from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
+BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket
 
 
 @dataclasses.dataclass
@@ -178,14 +179,26 @@ class _Lowering:
         cap = self.cap
         loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
         before = set(self.b.graph.nodes)
-        grads = []
+        grads: dict[str, fx.Node | None] = {}
+        buckets: dict[tuple, list[tuple[str, fx.Node]]] = {}
         for fqn, pnode in cap.params.items():
             g = cap.grads.get(fqn)
-            grads.append(None if g is None else self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}"))
+            if g is None:
+                grads[fqn] = None
+                continue
+            steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
+            if len(steps) == 1 and steps[0].kind == "all_reduce" and steps[0].op == "sum":
+                # Data-parallel gradients: all-reduced in buckets, as DDP does, not one collective each.
+                buckets.setdefault((steps[0].axis, self.env[g].meta["val"].dtype), []).append((fqn, self.env[g]))
+            else:
+                grads[fqn] = self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}")
+        for (axis, _), items in buckets.items():
+            # Gradients appear last layer first: fill buckets in that order so the first can start early.
+            grads.update(bucketed_all_reduce(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
         for n in self.b.graph.nodes:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
-        self.b.output((loss, *grads))
+        self.b.output((loss, *(grads[f] for f in cap.params)))
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
