@@ -151,20 +151,28 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
                 dst_layouts.append(lay)
             dst_index.append(dst_layouts.index(lay))
     dtype = ctx.precision.grad_dtype if e.kind == "grad" else compute_dtype(e.meta.dtype, ctx)
-    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b) for b in dst_layouts] for a in src_layouts]
+    # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
+    bucketed = e.kind == "grad"
+    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, bucketed) for b in dst_layouts]
+             for a in src_layouts]
     return EdgeCost(src_layouts, dst_layouts, cost, src_index, dst_index)
 
 
-def transition_cost(ctx: PassContext, shape, dtype, src, dst) -> float:
-    return _transition_cost(ctx.hw, ctx.mesh, tuple(shape), dtype, tuple(src), tuple(dst))
+def transition_cost(ctx: PassContext, shape, dtype, src, dst, bucketed: bool = False) -> float:
+    return _transition_cost(ctx.hw, ctx.mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed)
 
 
 @functools.lru_cache(maxsize=200_000)
-def _transition_cost(hw, mesh, shape, dtype, src, dst) -> float:
-    return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst))
+def _transition_cost(hw, mesh, shape, dtype, src, dst, bucketed) -> float:
+    return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst, bucketed))
 
 
-def step_costs(hw, mesh, shape, dtype, src, dst) -> list[tuple]:
+def _link(hw, kind: str, bucketed: bool):
+    link = link_spec(hw, kind)
+    return dataclasses.replace(link, latency=0.0) if bucketed else link
+
+
+def step_costs(hw, mesh, shape, dtype, src, dst, bucketed: bool = False) -> list[tuple]:
     """[(Step, seconds)] for one layout change; bytes follow the local shape as the steps run."""
     from torch.distributed.tensor import Shard
 
@@ -179,14 +187,14 @@ def step_costs(hw, mesh, shape, dtype, src, dst) -> list[tuple]:
         t = 0.0
         if st.kind == "all_gather":
             local[st.dim] *= n
-            t = collective_time("all_gather", nbytes * n, n, link_spec(hw, mesh.links[st.axis]))
+            t = collective_time("all_gather", nbytes * n, n, _link(hw, mesh.links[st.axis], bucketed))
         elif st.kind == "reduce_scatter":
-            t = collective_time("reduce_scatter", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+            t = collective_time("reduce_scatter", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
             local[st.dim] //= n
         elif st.kind == "all_reduce":
-            t = collective_time("all_reduce", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+            t = collective_time("all_reduce", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
         elif st.kind == "all_to_all":
-            t = collective_time("all_to_all", nbytes, n, link_spec(hw, mesh.links[st.axis]))
+            t = collective_time("all_to_all", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
             local[st.dim] *= n
             local[st.dst_dim] //= n
         elif st.kind == "chunk":

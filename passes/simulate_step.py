@@ -60,10 +60,10 @@ def simulate(ctx: PassContext) -> Simulation:
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
 
-    def comm(shape, dtype, src, dst, start, scale, label):
+    def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
         t = start
-        for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)):
+        for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed):
             if not st.is_comm or c == 0:
                 continue
             c *= scale
@@ -114,7 +114,7 @@ def simulate(ctx: PassContext) -> Simulation:
             meta = node.meta["val"]
             val = meta[idx] if isinstance(meta, (list, tuple)) else meta
             comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0],
-                 compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}")
+                 compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
     opt = _optimizer_time(ctx)
     step = max([compute_free] + axis_free) + opt
     memory, peak = _memory(ctx)
