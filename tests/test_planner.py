@@ -230,3 +230,20 @@ def test_solver_time_limit_returns_best_plan_with_warning():
             return
     assert p.estimated_step_time > 0
     assert any("time limit" in str(w.message) for w in caught)
+
+
+def test_corrupt_or_foreign_plan_files_are_explained():
+    good = json.loads(_tiny_plan_json())
+    with pytest.raises(autopar.PlanMismatchError, match="not valid JSON"):
+        autopar.Plan.from_json(_tiny_plan_json()[:100])
+    with pytest.raises(autopar.PlanMismatchError, match="not an autopar plan file"):
+        autopar.Plan.from_json(json.dumps({"hello": 1}))
+    with pytest.raises(autopar.PlanMismatchError, match="version 0 is not supported.*re-plan"):
+        autopar.Plan.from_json(json.dumps(dict(good, version=0)))
+    broken = dict(good)
+    del broken["params"]
+    with pytest.raises(autopar.PlanMismatchError, match="corrupt or incomplete"):
+        autopar.Plan.from_json(json.dumps(broken))
+    bad_layout = dict(good, params={k: "S(x)" for k in good["params"]})
+    with pytest.raises(autopar.PlanMismatchError, match="corrupt or incomplete.*cannot parse placement"):
+        autopar.Plan.from_json(json.dumps(bad_layout))
