@@ -13,6 +13,8 @@ import math
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,6 +97,10 @@ def build(name: str):
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
+    if name.startswith("mlp:"):  # mlp:<d_in>:<hidden>:<d_out>:<batch>
+        d_in, hidden, d_out, batch = (int(v) for v in name.split(":")[1:])
+        model = MLP(d_in, hidden, d_out)
+        return model, (torch.randn(batch, d_in, generator=gen), torch.randn(batch, d_out, generator=gen)), mse
     if name == "llama":
         return Llama(LLAMA_TINY), (torch.randint(0, LLAMA_TINY.vocab_size, (4, 16), generator=gen),), cross_entropy_loss
     if name == "tied":
@@ -424,3 +430,14 @@ def test_worker_failure_names_rank():
 
 def _boom():
     raise RuntimeError("boom")
+
+
+@settings(max_examples=4, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d_in=st.sampled_from([8, 24]), hidden=st.sampled_from([16, 48]), d_out=st.sampled_from([4, 8]),
+       batch=st.sampled_from([8, 12]), mesh=st.sampled_from(sorted(MESHES)), kind=st.sampled_from(["solver", "random:7"]))
+def test_random_mlps_execute_like_one_device(d_in, hidden, d_out, batch, mesh, kind):
+    name = f"mlp:{d_in}:{hidden}:{d_out}:{batch}"
+    shape, names = MESHES[mesh]
+    pool = get_pool(math.prod(shape))
+    results = pool.run(train_parallel, name, shape, names, plan_json(name, shape, names, kind))
+    check_against_reference(name, results)
