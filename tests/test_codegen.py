@@ -1,6 +1,8 @@
 """Generated per-rank programs, read without running them: which collectives, on which axis, at which shapes."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import time
 
@@ -111,30 +113,33 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
     assert len(grads) == 4, prog.code()  # each gradient leaves as a reduce-scattered shard
 
 
-def test_llama3_8b_on_8x8_local_shapes_and_groups():
-    """All 32 layers, planned on the full graph (no template), built on the meta device."""
+@pytest.mark.parametrize("layers,dp,batch,coords", [(32, 8, 8, (3, 5)), (4, 64, 64, (41, 6))],
+                         ids=["8b-64-ranks", "8b-widths-512-ranks"])
+def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
+    """Llama-3-8B (all 32 layers on 64 ranks; 4 layers of the same widths on 512 ranks), planned on the full
+    graph (no template), built on the meta device; one rank's program is generated, not run."""
     from autopar.api import make_context
     from autopar.passes import run_passes
 
     with torch.device("meta"):
-        model = Llama(LLAMA3_8B)
-    tokens = torch.zeros(8, 2048, dtype=torch.long)
-    mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
-    rank = RankSpec.fake(("dp", "tp"), (8, 8), (3, 5))
+        model = Llama(dataclasses.replace(LLAMA3_8B, n_layers=layers))
+    tokens = torch.zeros(batch, 2048, dtype=torch.long)
+    mesh = autopar.fake_mesh((dp, 8), ("dp", "tp"))
+    rank = RankSpec.fake(("dp", "tp"), (dp, 8), coords)
     t0 = time.perf_counter()
     ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
     run_passes(ctx.captured.gm, ctx)
     plan, cap = ctx.plan, ctx.captured
     prog = generate(plan, cap, rank)
     assert time.perf_counter() - t0 < 120
-    assert len(cap.params) == 2 + 32 * 9 + 1
+    assert len(cap.params) == 2 + layers * 9 + 1
     shapes = {n.name: tuple(n.meta["val"].shape) for n in prog.forward.graph.nodes if n.op == "placeholder"}
     for fqn, node in cap.params.items():
         name = fqn.replace(".", "_")
-        want = local_shape(tuple(node.meta["val"].shape), plan.param_layout(fqn), (8, 8))
+        want = local_shape(tuple(node.meta["val"].shape), plan.param_layout(fqn), (dp, 8))
         assert shapes[name] == want, (fqn, shapes[name], want)
-    assert shapes["input_0"] == local_shape((8, 2048), plan.inputs[0], (8, 8))
-    sizes = {"autopar:dp": 8, "autopar:tp": 8}
+    assert shapes["input_0"] == local_shape((batch, 2048), plan.inputs[0], (dp, 8))
+    sizes = {"autopar:dp": dp, "autopar:tp": 8}
     n = 0
     for gm in (prog.forward, prog.backward):
         for node in gm.graph.nodes:
@@ -153,7 +158,7 @@ def test_llama3_8b_on_8x8_local_shapes_and_groups():
     # replicated and every gradient leaves in its parameter's layout.
     out = next(n for n in prog.backward.graph.nodes if n.op == "output")
     for fqn, g in zip(prog.params, out.args[0]):
-        want = local_shape(tuple(cap.params[fqn].meta["val"].shape), plan.param_layout(fqn), (8, 8))
+        want = local_shape(tuple(cap.params[fqn].meta["val"].shape), plan.param_layout(fqn), (dp, 8))
         assert tuple(g.meta["val"].shape) == want, fqn
 
 
