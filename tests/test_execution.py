@@ -97,6 +97,12 @@ def build(name: str):
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
+    if name.startswith("llama:"):  # llama:<layers>:<heads>:<seq>:<batch>
+        import dataclasses
+
+        layers, heads, seq, batch = (int(v) for v in name.split(":")[1:])
+        cfg = dataclasses.replace(LLAMA_TINY, n_layers=layers, n_heads=heads, n_kv_heads=heads // 2)
+        return Llama(cfg), (torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen),), cross_entropy_loss
     if name.startswith("mlp:"):  # mlp:<d_in>:<hidden>:<d_out>:<batch>
         d_in, hidden, d_out, batch = (int(v) for v in name.split(":")[1:])
         model = MLP(d_in, hidden, d_out)
@@ -437,6 +443,17 @@ def _boom():
        batch=st.sampled_from([8, 12]), mesh=st.sampled_from(sorted(MESHES)), kind=st.sampled_from(["solver", "random:7"]))
 def test_random_mlps_execute_like_one_device(d_in, hidden, d_out, batch, mesh, kind):
     name = f"mlp:{d_in}:{hidden}:{d_out}:{batch}"
+    shape, names = MESHES[mesh]
+    pool = get_pool(math.prod(shape))
+    results = pool.run(train_parallel, name, shape, names, plan_json(name, shape, names, kind))
+    check_against_reference(name, results)
+
+
+@settings(max_examples=3, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 2), heads=st.sampled_from([2, 4]), seq=st.sampled_from([8, 16]),
+       batch=st.sampled_from([4, 8]), mesh=st.sampled_from(sorted(MESHES)), kind=st.sampled_from(["solver", "random:11"]))
+def test_random_llamas_execute_like_one_device(layers, heads, seq, batch, mesh, kind):
+    name = f"llama:{layers}:{heads}:{seq}:{batch}"
     shape, names = MESHES[mesh]
     pool = get_pool(math.prod(shape))
     results = pool.run(train_parallel, name, shape, names, plan_json(name, shape, names, kind))
