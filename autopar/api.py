@@ -56,4 +56,5 @@ def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, e
     p = ctx.plan
     p.solver_stats["capture_seconds"] = ctx.captured.capture_seconds
     p.context = ctx
+    p.source = (model, mesh, tuple(example_inputs), example_kwargs, loss_fn, config)  # for plan.compare()
     return p

@@ -148,6 +148,25 @@ class Plan:
 
         return diff(self, other)
 
+    def compare(self, recipes=("ddp", "fsdp", "megatron", "fsdp+tp")):
+        """This plan beside hand-written recipes under the same cost model (as `autopar compare`). Needs the
+        model the plan was made from: available on plans made by autopar.plan in this process."""
+        from autopar.recipes import compare
+
+        source = getattr(self, "source", None)
+        if source is None:
+            raise ValueError("plan.compare needs the model this plan was made from; for a loaded plan call "
+                             "autopar.recipes.compare(model, mesh, example_inputs, plan=plan, ...)")
+        model, mesh, inputs, kwargs, loss_fn, config = source
+        return compare(model, mesh, inputs, loss_fn=loss_fn, config=config, recipes=tuple(recipes), plan=self,
+                       example_kwargs=kwargs)
+
+    def report(self, path: str, png_dir: str | None = None):
+        """Write the self-contained HTML report (plots embedded; PNG copies in png_dir)."""
+        from autopar.report import write_report
+
+        return write_report(self, path, png_dir=png_dir)
+
     # --- serialization ------------------------------------------------------------------------------------
     def to_json(self) -> str:
         d = {

@@ -147,3 +147,22 @@ def test_recipe_pins():
         hsdp(shapes, mesh)
     with pytest.raises(RecipeError, match="no Llama-style projections"):
         megatron({"fc.weight": (8, 8)}, mesh)
+
+
+def test_python_api_mirrors_the_cli(tmp_path):
+    import torch
+
+    import autopar
+    from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
+
+    p = autopar.plan(Llama(LLAMA_TINY), autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu"),
+                     (torch.zeros(4, 16, dtype=torch.long),), loss_fn=cross_entropy_loss,
+                     config=autopar.Config(solver=autopar.SolverConfig(show_progress=False)))
+    result = p.compare(["ddp", "megatron"])
+    assert [r.name for r in result.rows][:1] == ["autopar"] and len(result.rows) == 3
+    assert "megatron" in result.table()
+    p.report(str(tmp_path / "r.html"))
+    assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") >= 3
+    loaded = autopar.Plan.from_json(p.to_json())
+    with pytest.raises(ValueError, match="autopar.recipes.compare"):
+        loaded.compare()
