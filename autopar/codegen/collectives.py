@@ -197,14 +197,7 @@ def _move_leading(b: Builder, y: fx.Node, n: int, shape: list[int], dim: int, ph
     """(n*s0, s1, ...) holding n stacked chunks along dim 0 -> the chunks concatenated along `dim`."""
     if dim == 0:
         return y
-    y = b.call(aten.view.default, (y, [n] + shape), phase=phase)
-    k = len(shape)
-    perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, k + 1))
-    y = b.call(aten.permute.default, (y, perm), phase=phase)
-    y = b.call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, phase=phase)
-    out = list(shape)
-    out[dim] *= n
-    return b.call(aten.view.default, (y, out), phase=phase)
+    return _merge_leading(b, b.call(aten.view.default, (y, [n] + shape), phase=phase), n, shape, dim, phase)
 
 
 def _split_to_leading(b: Builder, x: fx.Node, n: int, shape: list[int], dim: int, phase: str) -> fx.Node:
