@@ -247,3 +247,16 @@ def test_corrupt_or_foreign_plan_files_are_explained():
     bad_layout = dict(good, params={k: "S(x)" for k in good["params"]})
     with pytest.raises(autopar.PlanMismatchError, match="corrupt or incomplete.*cannot parse placement"):
         autopar.Plan.from_json(json.dumps(bad_layout))
+
+
+def test_cp_sat_backend_reaches_the_same_optimum_as_highs():
+    objectives = []
+    for backend in ("highs", "cp-sat"):
+        solver = autopar.SolverConfig(show_progress=False, backend=backend)
+        with torch.device("meta"):
+            model = MLP([256, 1024, 256])
+        p = autopar.plan(model, autopar.fake_mesh((2, 2), ("dp", "tp")), (torch.zeros(64, 256), torch.zeros(64, 256)),
+                         loss_fn=mse, config=autopar.Config(device="h100", solver=solver))
+        assert p.solver_stats["optimal"]
+        objectives.append(p.solver_stats["objective_s"])
+    assert objectives[1] == pytest.approx(objectives[0], rel=1e-3, abs=1e-8)
