@@ -6,7 +6,6 @@ live fx nodes, so a plan can be saved, edited, loaded and applied to a fresh cap
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import json
 import re
@@ -224,9 +223,6 @@ class Plan:
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
-
-    def pinned(self, pattern: str) -> dict[str, tuple[Placement, ...]]:
-        return {k: v for k, v in self.params.items() if fnmatch.fnmatch(k, pattern)}
 
 
 _VOLATILE = {"seconds", "build_seconds", "solve_seconds", "capture_seconds", "wall_time"}

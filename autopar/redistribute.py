@@ -11,7 +11,6 @@ from typing import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from autopar.layout import fmt
 
 R = Replicate()
 
@@ -125,7 +124,3 @@ def _rescale(axis: int, s: Partial, t: Partial) -> Step:
 
 def describe_steps(steps: Sequence[Step], axis_names: Sequence[str]) -> str:
     return "; ".join(s.describe(axis_names) for s in steps) or "none"
-
-
-def layout_str(layout: Sequence[Placement]) -> str:
-    return ",".join(fmt(p) for p in layout)

@@ -7,7 +7,6 @@ import itertools
 import operator
 import warnings
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -154,7 +153,3 @@ def _apply_act_pins(ctx: PassContext, key: str, strats: list[NodeStrategy]) -> l
                                  f"legal outputs: {sorted({fmt_layout(s.outs[0]) for s in strats})}")
             return kept
     return strats
-
-
-def is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)

@@ -11,7 +11,6 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autopar.cost import collective_time, compute_time, link_spec, param_state_bytes, tensor_bytes
-from autopar.cost.compute import VIEW_OPS
 from autopar.passes.context import PassContext
 from autopar.redistribute import plan_steps
 from autopar.rules.base import OpInfo, TensorMeta, op_info
@@ -201,7 +200,3 @@ def step_costs(hw, mesh, shape, dtype, src, dst, bucketed: bool = False) -> list
             local[st.dim] //= n
         out.append((st, t))
     return out
-
-
-def is_view(node: fx.Node) -> bool:
-    return getattr(node.target, "overloadpacket", None) in VIEW_OPS or node.target in VIEW_OPS

@@ -13,8 +13,9 @@ two ends share a key, are linear in x and need no y. The objective is
 
 subject to  sum_{k,s} memory[k,s] x[k,s] <= limit  (parameter state + activations saved for backward).
 Keys of repeated layers are shared, so one block's variables stand for every layer (costs carry the repeat
-count). Costs are integers in nanoseconds; CP-SAT runs with a fixed seed, a fixed worker count and a
-deterministic time limit, so the same inputs give the same plan.
+count). The default backend is HiGHS (a MIP: x boolean, y continuous, since the transportation constraints
+make y integral once x is); the "cp-sat" backend keeps every variable boolean with integer nanosecond costs.
+Both create variables in sorted key order and run deterministically, so the same inputs give the same plan.
 """
 from __future__ import annotations
 
