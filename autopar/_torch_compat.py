@@ -124,3 +124,16 @@ def tree_leaves(tree: Any) -> list:
     import torch.utils._pytree as pytree
 
     return pytree.tree_leaves(tree)
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard without an autograd node (inside an autograd.Function)."""
+    return t._local_tensor  # type: ignore[attr-defined]
+
+
+def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` wrapped as a DTensor with the spec (mesh, placements, global shape) of the DTensor `like`;
+    no checks and no communication: the cheap way to hand back a gradient of `like`."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]

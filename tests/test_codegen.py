@@ -42,7 +42,7 @@ def mse(out, x, y):
 
 def program(model, inputs, loss_fn, mesh, rank: RankSpec, **config):
     """Plan on the full graph and generate one rank's program."""
-    cfg = Config(solver=QUIET, template_layers=None, **config)
+    cfg = Config(**{"solver": QUIET, "template_layers": None, **config})
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, config=cfg)
     cap = capture(model, inputs, loss_fn=loss_fn)
     return plan, cap, generate(plan, cap, rank)

@@ -27,18 +27,24 @@ class _TrainStep(torch.autograd.Function):
     """Forward: the local forward graph over (param shards, buffers, input shards) -> replicated loss.
     Backward: the local backward graph with the incoming loss gradient as its tangent -> param shard grads."""
 
+    # Parameters come in as the DTensors themselves (not `to_local()` views, whose autograd nodes cost more
+    # than a small layer's compute) and their gradients go back as DTensors of the same spec.
+
     @staticmethod
-    def forward(ctx, runner: _Runner, n_rest: int, *flat: torch.Tensor) -> torch.Tensor:
-        out = runner.forward(*flat)
+    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> torch.Tensor:
+        params = flat[:n_params]
+        out = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         loss, saved = out[0], out[1:]
         ctx.runner = runner
-        ctx.n_rest = n_rest
+        ctx.params = params
+        ctx.n_rest = len(flat) - n_params
         ctx.save_for_backward(*saved)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
+        grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
 
 
@@ -86,10 +92,9 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         inputs = self._local_inputs(args, kwargs)
-        params = [self.get_parameter(f).to_local() for f in self._param_order]
+        params = [self.get_parameter(f) for f in self._param_order]
         buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
-        flat = [*params, *buffers, *inputs]
-        return _TrainStep.apply(self._runner, len(buffers) + len(inputs), *flat)
+        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward (grads accumulate into `.grad`); returns the detached loss."""
