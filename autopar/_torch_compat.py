@@ -126,6 +126,13 @@ def tree_leaves(tree: Any) -> list:
     return pytree.tree_leaves(tree)
 
 
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """(leaves in tree_leaves order, the tree's structure; its str names the structure)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_flatten(tree)
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without an autograd node (inside an autograd.Function)."""
     return t._local_tensor  # type: ignore[attr-defined]

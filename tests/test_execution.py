@@ -58,6 +58,17 @@ class ScaledMLP(MLP):
         return self.fc2(F.silu(self.fc1(x)) * scale)
 
 
+class DropoutMLP(MLP):
+    """Dropout between the layers: eval mode switches it off."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        return self.fc2(self.drop(F.silu(self.fc1(x))))
+
+
 class TiedLM(nn.Module):
     """Embedding and output projection share one weight."""
 
@@ -97,6 +108,8 @@ def build(name: str):
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
+    if name == "dropout":
+        return DropoutMLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
     if name.startswith("llama:"):  # llama:<layers>:<heads>:<seq>:<batch>
         import dataclasses
 
@@ -132,7 +145,7 @@ def _pins(name: str, names: tuple[str, ...], kind: str) -> dict:
         return {"*": lay(dp=Shard(0))}
     col, row = (("*.w1.weight", "*.w3.weight", "*.wq.weight", "*.wk.weight", "*.wv.weight"),
                 ("*.w2.weight", "*.wo.weight"))
-    if name == "mlp":
+    if name in ("mlp", "dropout"):
         col, row = ("fc1.weight", "fc1.bias"), ("fc2.weight",)
     dp = {"dp": Shard(0)} if kind == "fsdp_tp" else {}
     pins = {p: lay(tp=Shard(0), **dp) for p in col}
@@ -178,11 +191,13 @@ def _mesh(shape, names):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def _train(pm_or_model, inputs, loss_fn, distributed: bool) -> dict:
+def _train(pm_or_model, inputs, loss_fn, distributed: bool, after_first_step=None) -> dict:
     params = list(pm_or_model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, eps=1e-6)
     out = {"losses": []}
     for step in range(STEPS):
+        if step == 1 and after_first_step is not None:
+            after_first_step()
         opt.zero_grad()
         loss = pm_or_model(*inputs) if distributed else loss_fn(pm_or_model(*inputs), *inputs)
         loss.backward()
@@ -322,6 +337,86 @@ def test_api_dtensor_state_and_inputs():
     assert r["state_dict_keys"] == model_keys
     assert "def forward" in r["code"] and "_c10d_functional" in r["code"]
     assert "the plan was made for [4, 16]" in r["shape_error"]
+
+
+# --- evaluation: pm.eval() runs a forward-only program ---------------------------------------------------------
+EVAL_BATCH = 6  # not a multiple of the dp axis: the eval plan lays this batch out on its own
+
+
+def evaluate_parallel(name, shape, names, plan: str) -> dict:
+    from autopar.runtime import input_dtensor
+
+    model, (x, y), loss_fn = build(name)
+    mesh = _mesh(shape, names)
+    pm = autopar.parallelize(model, mesh, (x, y), loss_fn=loss_fn, plan=Plan.from_json(plan),
+                             config=Config(solver=QUIET))
+    pm.eval()
+    out = {}
+    with torch.no_grad():
+        out["loss"] = pm(x, y).item()
+        out["loss_small_batch"] = pm(x[:EVAL_BATCH], y[:EVAL_BATCH]).item()
+        out["loss_dtensor_inputs"] = pm(*[input_dtensor(t, mesh, lay)
+                                          for t, lay in zip((x, y), pm.input_placements)]).item()
+    loss = pm(x, y)  # grad enabled, eval mode: still the eval program
+    out["loss_grad_enabled"], out["requires_grad"] = loss.item(), loss.requires_grad
+    ev = pm.eval_program(x, y)
+    out["same_placements"] = ev.plan.param_placements() == pm.plan.param_placements()
+    out["saved"] = ev.program.saved
+    out["backward_ops"] = [n.op for n in ev.program.backward.graph.nodes]
+    out["forward_code"] = ev.program.forward.code
+    out["source_in_train_mode"] = model.training and all(m.training for m in model.modules())
+    out["source_requires_grad"] = all(p.requires_grad for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize("mesh,kind", [("dp4", "fsdp"), ("dp2xtp2", "fsdp_tp")])
+def test_eval_runs_forward_only_program_like_one_device(mesh, kind):
+    shape, names = MESHES[mesh]
+    pool = get_pool(4)
+    results = pool.run(evaluate_parallel, "dropout", shape, names, plan_json("dropout", shape, names, kind))
+    model, (x, y), loss_fn = build("dropout")
+    model.eval()
+    with torch.no_grad():
+        ref = loss_fn(model(x, y), x, y).item()
+        xs, ys = x[:EVAL_BATCH], y[:EVAL_BATCH]
+        ref_small = loss_fn(model(xs, ys), xs, ys).item()
+    for rank, r in enumerate(results):
+        for key, want in (("loss", ref), ("loss_small_batch", ref_small), ("loss_dtensor_inputs", ref),
+                          ("loss_grad_enabled", ref)):
+            _close(torch.tensor(r[key]), torch.tensor(want), f"{key} on rank {rank}")
+        assert not r["requires_grad"] and r["same_placements"]
+        assert r["saved"] == [] and r["backward_ops"] == ["output"], (r["saved"], r["backward_ops"])
+        assert "dropout" not in r["forward_code"] and "_c10d_functional" in r["forward_code"]
+        assert r["source_in_train_mode"] and r["source_requires_grad"]
+
+
+def train_with_eval(name, shape, names, plan: str) -> dict:
+    model, inputs, loss_fn = build(name)
+    pm = autopar.parallelize(model, _mesh(shape, names), inputs, loss_fn=loss_fn, plan=Plan.from_json(plan),
+                             config=Config(solver=QUIET))
+    evals = {}
+
+    def evaluate():
+        with torch.no_grad():
+            evals["train_mode_no_grad"] = pm(*inputs).item()
+            pm.eval()
+            evals["eval"] = pm(*inputs).item()
+        pm.train()
+
+    res = _train(pm, inputs, loss_fn, distributed=True, after_first_step=evaluate)
+    res.update(evals)
+    return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"], **evals}
+
+
+def test_training_continues_after_eval():
+    shape, names = MESHES["dp2xtp2"]
+    pool = get_pool(4)
+    results = pool.run(train_with_eval, "mlp", shape, names, plan_json("mlp", shape, names, "fsdp_tp"))
+    check_against_reference("mlp", results)
+    second = reference("mlp")["losses"][1]  # the loss of the weights after one step (no dropout in this model)
+    for rank, r in enumerate(results):
+        _close(torch.tensor(r["eval"]), torch.tensor(second), f"eval loss after one step on rank {rank}")
+        _close(torch.tensor(r["train_mode_no_grad"]), torch.tensor(second), f"no_grad train-mode loss on rank {rank}")
 
 
 def meta_init(shape, names, plan: str) -> dict:

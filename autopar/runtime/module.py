@@ -1,7 +1,7 @@
 """ParallelModule: DTensor parameters and the generated per-rank program run as one autograd.Function."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from autopar.codegen import LocalProgram
 from autopar.layout import fmt_layout
 from autopar.plan import Plan
 from autopar.runtime.state import as_dtensor, local_shard, mesh_coords, mesh_device
+
+if TYPE_CHECKING:
+    from autopar.runtime.evaluate import EvalProgram, Evaluator
 
 
 class _Runner:
@@ -54,17 +57,28 @@ class ParallelModule(nn.Module):
     replicated scalar loss, whose backward fills every parameter's `.grad` as a DTensor of the same placements.
 
     `pm(*inputs, **kwargs)` takes the GLOBAL batch (every rank passes the same tensors) and keeps this
-    rank's shard, or DTensors already laid out as `pm.input_placements` says.
+    rank's shard, or DTensors already laid out as `pm.input_placements` says. What a call runs:
+
+    - train mode, grad enabled: the training program (forward now, backward on `loss.backward()`);
+    - train mode under `torch.no_grad()`: the training forward, its tensors for backward dropped at once
+      (train-mode semantics, dropout on; the planned input shapes only);
+    - eval mode (`pm.eval()`), grad enabled or not: the model's eval-mode loss from a forward-only program
+      (see autopar.runtime.evaluate), for inputs of any shape; the loss never requires grad (`pm.train()` to
+      train). Each new input signature is captured and planned on its first call, on every rank.
+
+    The module keeps a reference to the model `parallelize` was given, whose structure those eval captures
+    trace (its weights are never read).
     """
 
     def __init__(self, *, plan: Plan, program: LocalProgram, mesh: DeviceMesh, params: dict[str, DTensor],
                  buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
                  input_specs: list[tuple[tuple[int, ...], torch.dtype]], input_layouts: list[tuple],
-                 input_leaves: list[int], requires_grad: dict[str, bool]):
+                 input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator):
         super().__init__()
         self.plan = plan
         self.program = program
         self.mesh = mesh
+        self._evaluator = evaluator
         self._runner = _Runner(program)
         self._param_order = list(program.params)
         self._buffer_order = list(program.buffers)
@@ -91,10 +105,36 @@ class ParallelModule(nn.Module):
         return list(self._input_layouts)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.training:
+            return self._evaluate(args, kwargs)
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in self._param_order]
         buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
+        if not torch.is_grad_enabled():
+            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs)[0]
         return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs)
+
+    def eval_program(self, *args: Any, **kwargs: Any) -> EvalProgram:
+        """The forward-only program (`.program`) and its plan (`.plan`) that eval-mode calls with inputs like
+        these run; captured and planned on first use, so call it on every rank."""
+        return self._evaluator.program(args, kwargs)
+
+    def _evaluate(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        entry = self._evaluator.program(args, kwargs)
+        leaves = compat.tree_leaves((args, kwargs))
+        inputs = [self._eval_input(leaves[i], lay) for i, lay in zip(entry.input_leaves, entry.input_layouts)]
+        params = [compat.dtensor_local(self.get_parameter(f)) for f in entry.program.params]
+        buffers = [_local(self.get_buffer(f)) for f in entry.program.buffers]
+        with torch.no_grad():
+            return entry.program.forward(*params, *buffers, *inputs)[0]
+
+    def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
+        """This rank's shard of an eval input; a DTensor in another layout is gathered first."""
+        if isinstance(x, DTensor):
+            if tuple(x.placements) == layout:
+                return x.to_local()
+            x = x.full_tensor()
+        return local_shard(x, layout, self._coords, self._sizes).to(self._device).contiguous()
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward (grads accumulate into `.grad`); returns the detached loss."""
@@ -123,7 +163,7 @@ class ParallelModule(nn.Module):
             if tuple(x.shape) != tuple(shape):
                 raise ValueError(f"input {i} has shape {list(x.shape)} but the plan was made for {list(shape)}; "
                                  "pass the same global shapes as the example inputs (every rank the full batch), "
-                                 "or re-plan for the new shapes")
+                                 "or re-plan for the new shapes (in eval mode, pm.eval(), any shape runs)")
             if x.dtype != dtype:
                 raise ValueError(f"input {i} has dtype {x.dtype}, the plan was made for {dtype}")
             x = local_shard(x, layout, self._coords, self._sizes)

@@ -220,9 +220,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     Every rank calls this with the same model (same seed, or on the meta device) and example inputs. Without
     `plan`, rank 0 plans on the full graph and broadcasts the plan. A meta-device model gets only its local
     shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
+    The ParallelModule keeps a reference to `model`: its eval mode re-traces the model's structure (see
+    autopar.runtime.evaluate), so real weights of a model not on the meta device stay alive with it.
     """
     from autopar.api import make_context
     from autopar.passes import annotate_shapes_pass
+    from autopar.runtime.evaluate import Evaluator
 
     config = config or Config()
     world, rank = _world()
@@ -236,10 +239,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     program = generate(plan, cap, rank_spec(mesh))
     params, buffers = _tensors(model, cap, plan, mesh, seed, aliases)
     input_specs = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in cap.inputs]
-    input_layouts = [tuple(plan.nodes.get(cap.names[n]) and plan.nodes[cap.names[n]].outs[0]
-                           or plan.nodes[plan.key(cap.names[n])].outs[0]) for n in cap.inputs]
-    leaves = [int(getattr(n.meta.get("desc"), "idx", i)) for i, n in enumerate(cap.inputs)]
+    leaves, layouts = input_layouts(plan, cap)
     requires_grad = {f: model.get_parameter(f).requires_grad for f in cap.params}
+    placements = {f: tuple(t.placements) for table in (params, buffers) for f, t in table.items()}
+    evaluator = Evaluator(model, mesh, loss_fn, config, placements)
     return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
                           non_persistent=_non_persistent(model), input_specs=input_specs,
-                          input_layouts=input_layouts, input_leaves=leaves, requires_grad=requires_grad)
+                          input_layouts=layouts, input_leaves=leaves, requires_grad=requires_grad,
+                          evaluator=evaluator)
+
+
+def input_layouts(plan: Plan, cap) -> tuple[list[int], list[tuple]]:
+    """Per tensor input of the graph: its index among the call's flattened (args, kwargs), and its layout."""
+    leaves = [int(getattr(n.meta.get("desc"), "idx", i)) for i, n in enumerate(cap.inputs)]
+    layouts = [tuple(plan.nodes.get(cap.names[n]) and plan.nodes[cap.names[n]].outs[0]
+                     or plan.nodes[plan.key(cap.names[n])].outs[0]) for n in cap.inputs]
+    return leaves, layouts
