@@ -267,9 +267,6 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
                 names[node] = f"tangent/{len(tangents) - 1}"
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":  # constants the model creates (masks, scalars): always replicated
-            names[node] = f"const/{node.target}"
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)
@@ -279,9 +276,14 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             grads[_strip(what)] = value
     if loss is None:
         raise CaptureError("the traced graph has no loss output")
-    module_of, phase = _attribute(gm)
+    module_of, phase = _attribute(gm, [b.prefix for b in blocks])
     counts: collections.Counter = collections.Counter()
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # constants the model creates (masks, scalars): always replicated
+            base = "const/" + (next((module_of[u] for u in node.users if u in module_of), "") or "root")
+            names[node] = f"{base}/{counts[base]}"
+            counts[base] += 1
+            continue
         if node.op != "call_function":
             continue
         op = node.target.__name__ if callable(node.target) else str(node.target)
@@ -302,22 +304,43 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
     return cap
 
 
-def _attribute(gm: fx.GraphModule) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
-    """Module FQN and phase per compute node; unannotated nodes (gradient accumulation) take the longest
-    common module prefix of their inputs."""
+def _attribute(gm: fx.GraphModule, prefixes: list[str]) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:
+    """Module FQN and phase per compute node.
+
+    A node outside every repeated layer (unannotated gradient accumulation, or code of the layer stack itself)
+    that reads values of a layer belongs to the layer of its latest such input, under the longest common
+    prefix of its inputs in that layer: the residual-stream glue between layers i+1 and i is part of one
+    layer, numbered alike in every layer, so a template's names cover any depth. Other unannotated nodes take
+    the longest common module prefix of their inputs."""
     module_of: dict[fx.Node, str] = {}
     phase: dict[fx.Node, str] = {}
-    for node in gm.graph.nodes:
+    position: dict[fx.Node, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
         if node.op != "call_function":
             continue
         tag = node.meta.get("partitioner_tag")
         phase[node] = "bwd" if tag == "is_backward" or node.meta.get("autograd_backward") else "fwd"
         mod = compat.node_module(node)
-        if mod is None:
-            srcs = [module_of[a] for a in node.all_input_nodes if a in module_of and module_of[a]]
-            mod = _common_prefix(srcs) if srcs else ""
-        module_of[node] = _strip(mod)
+        if mod is None or mod in prefixes:
+            ins = sorted((a for a in node.all_input_nodes if module_of.get(a)), key=position.__getitem__)
+            layers = [_layer(module_of[a], prefixes) for a in ins]
+            latest = next((layer for layer in reversed(layers) if layer), None)
+            if latest is not None:
+                mod = _common_prefix([module_of[a] for a, layer in zip(ins, layers) if layer == latest])
+            elif mod is None:
+                mod = _common_prefix([module_of[a] for a in ins]) if ins else ""
+        module_of[node] = mod
     return module_of, phase
+
+
+def _layer(mod: str, prefixes: list[str]) -> str | None:
+    """`prefix.i` when module `mod` lies in layer i of a repeated stack, else None."""
+    for prefix in prefixes:
+        m = re.match(rf"{re.escape(prefix)}\.\d+(?=\.|$)", mod)
+        if m:
+            return m.group(0)
+    return None
 
 
 def _common_prefix(mods: list[str]) -> str:

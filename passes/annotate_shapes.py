@@ -2,7 +2,8 @@
 
 Nodes of identical repeated layers share one key (`layers.*./...`), so the solver decides once per layer
 kind. With a template capture (k of L layers traced) counts scale costs back to L layers: nodes inside a
-layer count L/k, edges between two layers (L-1)/(k-1).
+layer count L/k, edges between two layers (L-1)/(k-1). Capture attributes the glue between layers (the
+residual stream's gradient accumulation) to one layer, so it counts as inside that layer.
 """
 from __future__ import annotations
 
@@ -28,22 +29,18 @@ def annotate_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 
 def _scale(ctx: PassContext, node: fx.Node) -> tuple[str, float]:
-    """('in', L/k) inside a layer, ('between', (L-1)/(k-1)) on glue between layers, ('out', 1) elsewhere."""
+    """('in', L/k) inside a layer, ('out', 1) elsewhere."""
     cap = ctx.captured
     if node in cap.block_of:
         prefix, _ = cap.block_of[node]
         b = next(b for b in cap.blocks if b.prefix == prefix)
         return "in", b.count / b.captured
     name = cap.names.get(node, "")
-    mod = cap.module_of.get(node, "")
     if node.op == "placeholder":
         fqn = name.split("/", 1)[-1]
         for b in cap.blocks:
             if fqn.startswith(b.prefix + "."):
                 return "in", b.count / b.captured
-    for b in cap.blocks:
-        if mod == b.prefix and b.captured > 1:
-            return "between", (b.count - 1) / (b.captured - 1)
     return "out", 1.0
 
 
@@ -105,7 +102,7 @@ def producer(node: fx.Node) -> tuple[fx.Node, int]:
 
 
 def _edge_scale(ctx: PassContext, u: fx.Node, v: fx.Node) -> float:
-    (ku, su), (kv, sv) = _scale(ctx, u), _scale(ctx, v)
+    (ku, _), (kv, sv) = _scale(ctx, u), _scale(ctx, v)
     cap = ctx.captured
     if ku == "in" and kv == "in":
         if u.op == "placeholder" or cap.block_of.get(u) == cap.block_of.get(v):
@@ -113,8 +110,6 @@ def _edge_scale(ctx: PassContext, u: fx.Node, v: fx.Node) -> float:
         prefix = cap.block_of[u][0]
         b = next(b for b in cap.blocks if b.prefix == prefix)
         return (b.count - 1) / max(b.captured - 1, 1)
-    if "between" in (ku, kv):
-        return su if ku == "between" else sv
     return 1.0
 
 

@@ -19,7 +19,7 @@ from autopar.redistribute import plan_steps
 from autopar.codegen.collectives import checked_steps, collective_kind, steps_valid
 from autopar.config import Config, SolverConfig
 from autopar.layout import local_shape
-from autopar.models.llama import LLAMA3_8B, LLAMA_TINY, Llama, cross_entropy_loss
+from autopar.models.llama import LLAMA3_8B, LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.plan import Plan
 
 R = Replicate()
@@ -160,6 +160,43 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
     for fqn, g in zip(prog.params, out.args[0]):
         want = local_shape(tuple(cap.params[fqn].meta["val"].shape), plan.param_layout(fqn), (dp, 8))
         assert tuple(g.meta["val"].shape) == want, fqn
+
+
+@pytest.mark.parametrize("shape,axes,coords", [((4,), ("dp",), (1,)), ((2, 2), ("dp", "tp"), (1, 0))],
+                         ids=["dp4", "dp2xtp2"])
+def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
+    """autopar.plan() captures 2 of llama-small's 4 layers; the plan (and its JSON copy) covers every node of
+    the full-depth capture, and each layer's parameters get the layouts of the template's corresponding layer."""
+    from autopar.api import make_context
+    from autopar.passes import annotate_shapes_pass
+    from autopar.runtime.parallelize import check_plan
+
+    with torch.device("meta"):
+        model = Llama(LLAMA_SMALL)
+    tokens = torch.zeros(8, 64, dtype=torch.long)
+    mesh = autopar.fake_mesh(shape, axes, device_type="cpu")
+    plan = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET))
+    template = plan.context.captured
+    k = template.blocks[0].captured
+    assert k < LLAMA_SMALL.n_layers
+    ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
+    annotate_shapes_pass(ctx.captured.gm, ctx)
+    rank = RankSpec.fake(axes, shape, coords)
+    want = _param_layouts(generate(plan, template, rank))
+    for p in (plan, Plan.from_json(plan.to_json())):
+        check_plan(p, ctx)  # what parallelize(..., plan=p) checks before generating
+        got = _param_layouts(generate(p, ctx.captured, rank))
+        assert len(got) == len(ctx.captured.params)
+        for fqn, lay in got.items():
+            parts = fqn.split(".")
+            if parts[0] == "layers":  # layer i of the model: the template's layer i, its last for deeper ones
+                parts[1] = str(min(int(parts[1]), k - 1))
+            assert lay == want[".".join(parts)], fqn
+
+
+def _param_layouts(prog) -> dict[str, tuple]:
+    """{parameter FQN: the layout of its local shard} in a generated program."""
+    return {fqn: prog.joint.layouts[node.name] for fqn, node in prog.joint.params.items()}
 
 
 def test_redistribution_steps_keep_shards_nested():

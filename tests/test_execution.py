@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.config import Config, SolverConfig
-from autopar.models import LLAMA_TINY, Llama, cross_entropy_loss
+from autopar.models import LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.plan import Plan
 from autopar.testing.dist import WorkerError, get_pool
 
@@ -122,6 +122,9 @@ def build(name: str):
         return model, (torch.randn(batch, d_in, generator=gen), torch.randn(batch, d_out, generator=gen)), mse
     if name == "llama":
         return Llama(LLAMA_TINY), (torch.randint(0, LLAMA_TINY.vocab_size, (4, 16), generator=gen),), cross_entropy_loss
+    if name == "llama-small":
+        tokens = torch.randint(0, LLAMA_SMALL.vocab_size, (4, 16), generator=gen)
+        return Llama(LLAMA_SMALL), (tokens,), cross_entropy_loss
     if name == "tied":
         return TiedLM(), (torch.randint(0, 64, (8, 12), generator=gen),), cross_entropy_loss
     if name == "scaled":
@@ -293,6 +296,18 @@ def test_constants_built_in_forward():
     pool = get_pool(4)
     results = pool.run(train_parallel, "scaled", shape, names, plan_json("scaled", shape, names, "random:4"))
     check_against_reference("scaled", results)
+
+
+def test_template_plan_trains_the_full_depth_model():
+    """autopar.plan() captures 2 of llama-small's 4 layers; its plan, shipped as JSON, trains all 4."""
+    shape, names = MESHES["dp2xtp2"]
+    pool = get_pool(4)
+    model, inputs, loss_fn = build("llama-small")
+    plan = autopar.plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn,
+                        config=Config(solver=QUIET))
+    assert [b.captured for b in plan.context.captured.blocks] == [2] and plan.blocks == {"layers": 4}
+    results = pool.run(train_parallel, "llama-small", shape, names, plan.to_json())
+    check_against_reference("llama-small", results)
 
 
 # --- API behaviour on real ranks ----------------------------------------------------------------------------
