@@ -20,8 +20,7 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for key, strats in ctx.strategies.items():
         node = ctx.members[key][0]
         s = ctx.chosen(key)
-        op = key.split("/", 1)[0] if node.op in ("placeholder", "get_attr") else str(node.target)
-        nodes[key] = NodePlan(op=op, ins=list(s.ins), outs=list(s.outs),
+        nodes[key] = NodePlan(op=node_op(key, node), ins=list(s.ins), outs=list(s.outs),
                               compute_s=ctx.compute_cost[key][ctx.choice[key]], count=ctx.node_count[key],
                               alternatives=alt.get(key, []))
     params = {ctx.key[node].split("/", 1)[1]: ctx.chosen(ctx.key[node]).outs[0] for node in cap.params.values()}
@@ -54,14 +53,20 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+def node_op(key: str, node: fx.Node) -> str:
+    """The op a plan records for a key: the ATen op, or the kind (param, input, const...) of a graph input."""
+    return key.split("/", 1)[0] if node.op in ("placeholder", "get_attr") else str(node.target)
+
+
 def fingerprint(ctx: PassContext) -> str:
-    """Identity of model + inputs + mesh: the ops and shapes behind every plan key."""
+    """Identity of model + inputs + mesh: the ops and shapes behind every plan key (the same for a template
+    capture and the full-depth graph)."""
     h = hashlib.sha256()
     for key in sorted(ctx.members):
         node = ctx.members[key][0]
         v = node.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else None
-        h.update(f"{key}|{node.target}|{shape}\n".encode())
+        h.update(f"{key}|{node_op(key, node)}|{shape}\n".encode())
     h.update(repr(sorted((b.prefix, b.count) for b in ctx.captured.blocks)).encode())
     h.update(repr(ctx.mesh.shape).encode())
     return h.hexdigest()[:16]

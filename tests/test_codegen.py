@@ -169,6 +169,7 @@ def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
     the full-depth capture, and each layer's parameters get the layouts of the template's corresponding layer."""
     from autopar.api import make_context
     from autopar.passes import annotate_shapes_pass
+    from autopar.passes.build_plan import fingerprint
     from autopar.runtime.parallelize import check_plan
 
     with torch.device("meta"):
@@ -181,6 +182,7 @@ def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
     assert k < LLAMA_SMALL.n_layers
     ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
     annotate_shapes_pass(ctx.captured.gm, ctx)
+    assert fingerprint(ctx) == plan.fingerprint  # same keys, ops and shapes as the template
     rank = RankSpec.fake(axes, shape, coords)
     want = _param_layouts(generate(plan, template, rank))
     for p in (plan, Plan.from_json(plan.to_json())):
