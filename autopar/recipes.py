@@ -68,11 +68,11 @@ def _shapes(params: Params) -> dict[str, tuple[int, ...] | None]:
 
 
 def _shard_dim(shape: tuple[int, ...] | None, ways: int, avoid: int | None = None) -> int | None:
-    """The largest dim that splits evenly `ways` ways (dim 0 without shapes); None if none does."""
+    """Dim 0 if it splits evenly `ways` ways (as FSDP shards), else the largest dim that does; None if none does."""
     if shape is None:
         return 0 if avoid != 0 else 1
     dims = sorted((d for d in range(len(shape)) if d != avoid and shape[d] % ways == 0 and shape[d] >= ways),
-                  key=lambda d: -shape[d])
+                  key=lambda d: (d != 0, -shape[d]))
     return dims[0] if dims else None
 
 

@@ -110,7 +110,9 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
     assert not saved & gathered, saved & gathered
     assert prog.recomputed, "weights derived from parameters are recomputed in backward"
     grads = [c for c in collectives(prog.backward, rank) if c[0] == "reduce_scatter"]
-    assert len(grads) == 4, prog.code()  # each gradient leaves as a reduce-scattered shard
+    # Gradients leave as reduce-scattered shards in 25 MiB buckets, last layer first: fc2's weight (16 MiB)
+    # with both biases, then fc1's weight.
+    assert len(grads) == 2, prog.code()
 
 
 @pytest.mark.parametrize("layers,dp,batch,coords", [(32, 8, 8, (3, 5)), (4, 64, 64, (41, 6))],

@@ -7,6 +7,7 @@ division, so any backend (gloo has no AVG everywhere) computes the same.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -151,39 +152,118 @@ def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint
     raise CodegenError(f"unknown redistribution step {st}")
 
 
+def _by_size(items: Sequence[tuple], bucket_bytes: int) -> list[list[tuple]]:
+    """Consecutive items (name, node, ...) in groups of at most `bucket_bytes` (a larger item goes alone)."""
+    groups: list[list[tuple]] = []
+    size = 0
+    for item in items:
+        val = item[1].meta["val"]
+        nbytes = val.numel() * val.element_size()
+        if not groups or (groups[-1] and size + nbytes > bucket_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: int, rank: RankSpec,
                         bucket_bytes: int) -> dict[str, fx.Node]:
     """Sum-all-reduce many tensors over one axis with few collectives: flatten and concatenate up to
     `bucket_bytes` per bucket, reduce once, and slice the results back into shape."""
     out: dict[str, fx.Node] = {}
-    bucket: list[tuple[str, fx.Node]] = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal bucket, size
-        if not bucket:
-            return
+    for bucket in _by_size(items, bucket_bytes):
         flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
         cat = flat[0] if len(flat) == 1 else b.call(aten.cat.default, (flat,), phase="bwd")
         y = emit_step(b, cat, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
         offset = 0
         for fqn, x in bucket:
             shape = list(local_val_shape(x))
-            n = 1
-            for s in shape:
-                n *= s
+            n = _numel(shape)
             part = b.call(aten.slice.Tensor, (y, 0, offset, offset + n), phase="bwd")
             out[fqn] = b.call(aten.view.default, (part, shape), phase="bwd")
             offset += n
-        bucket, size = [], 0
+    return out
 
-    for fqn, x in items:
-        nbytes = x.meta["val"].numel() * x.meta["val"].element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            flush()
-        bucket.append((fqn, x))
-        size += nbytes
-    flush()
+
+def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]], axis: int, rank: RankSpec,
+                            bucket_bytes: int) -> dict[str, fx.Node]:
+    """Sum-reduce-scatter many tensors over one axis (each on its own dim) with few collectives: each tensor's
+    n chunks are stacked on a leading axis and flattened per chunk, the buckets are concatenated chunk-wise,
+    one reduce_scatter leaves this rank's chunk of every tensor, which is sliced back into shape."""
+    n = rank.axis_sizes[axis]
+    group = rank.group_names[axis]
+    c10d = _c10d()
+    out: dict[str, fx.Node] = {}
+    for bucket in _by_size(items, bucket_bytes):
+        rows = []
+        for _, x, dim in bucket:
+            stacked = _split_to_leading(b, x, n, list(local_val_shape(x)), dim, "bwd")
+            rows.append(b.call(aten.reshape.default, (stacked, [n, -1]), phase="bwd"))
+        cat = rows[0] if len(rows) == 1 else b.call(aten.cat.default, (rows, 1), phase="bwd")
+        tag = f"grad_bucket_{rank.axis_names[axis]}"
+        y = b.call(c10d.reduce_scatter_tensor.default, (cat, "sum", n, group), phase="bwd", name=f"reduce_scatter_{tag}")
+        y = b.call(c10d.wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
+        y = b.call(aten.view.default, (y, [-1]), phase="bwd")
+        offset = 0
+        for fqn, x, dim in bucket:
+            shape = list(local_val_shape(x))
+            shape[dim] //= n
+            size = _numel(shape)
+            part = b.call(aten.slice.Tensor, (y, 0, offset, offset + size), phase="bwd")
+            out[fqn] = b.call(aten.view.default, (part, shape), phase="bwd")
+            offset += size
+    return out
+
+
+@dataclasses.dataclass
+class GatherBucket:
+    """Parameters all-gathered together over one mesh axis: members are (global param node, gathered dim),
+    keys the (param, layout, phase) lookups each member serves; `issued` is the collective once emitted."""
+
+    axis: int
+    phase: str
+    members: list[tuple[fx.Node, int]]
+    keys: list[tuple] = dataclasses.field(default_factory=list)
+    issued: fx.Node | None = None
+    done: bool = False
+
+
+def emit_bucket_issue(b: Builder, bucket: GatherBucket, shards: Sequence[fx.Node], rank: RankSpec) -> fx.Node:
+    """Start the bucket's all_gather: local shards flattened and concatenated; returns the collective node
+    (not yet waited on)."""
+    n = rank.axis_sizes[bucket.axis]
+    flat = [b.call(aten.reshape.default, (x, [-1]), phase=bucket.phase) for x in shards]
+    cat = b.call(aten.cat.default, (flat,), phase=bucket.phase)
+    return b.call(_c10d().all_gather_into_tensor.default, (cat, n, rank.group_names[bucket.axis]),
+                  phase=bucket.phase, name=f"all_gather_bucket_{rank.axis_names[bucket.axis]}")
+
+
+def emit_bucket_wait(b: Builder, bucket: GatherBucket, shards: Sequence[fx.Node], rank: RankSpec) -> list[fx.Node]:
+    """Wait for the bucket's all_gather and cut out each member, gathered along its dim."""
+    n = rank.axis_sizes[bucket.axis]
+    phase = bucket.phase
+    y = b.call(_c10d().wait_tensor.default, (bucket.issued,), phase=phase,
+               name=f"wait_bucket_{rank.axis_names[bucket.axis]}")
+    y = b.call(aten.view.default, (y, [n, -1]), phase=phase)
+    out, offset = [], 0
+    for x, (_, dim) in zip(shards, bucket.members):
+        shape = list(local_val_shape(x))
+        size = _numel(shape)
+        part = b.call(aten.slice.Tensor, (y, 1, offset, offset + size), phase=phase)
+        offset += size
+        if dim == 0:
+            out.append(b.call(aten.reshape.default, (part, [n * shape[0], *shape[1:]]), phase=phase))
+        else:
+            part = b.call(aten.reshape.default, (part, [n, *shape]), phase=phase)
+            out.append(_merge_leading(b, part, n, shape, dim, phase))
     return out
 
 

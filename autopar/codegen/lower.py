@@ -8,11 +8,12 @@ import re
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.codegen.collectives import bucketed_all_reduce, checked_steps, redistribute
+from autopar.codegen.collectives import (GatherBucket, bucketed_all_reduce, bucketed_reduce_scatter, checked_steps,
+                                        emit_bucket_issue, emit_bucket_wait, redistribute)
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.layout import fmt_layout, local_shape
@@ -58,6 +59,10 @@ class _Lowering:
         self.b = Builder()
         self.env: dict[fx.Node, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
+        self.buckets: list[GatherBucket] = []
+        self.bucket_of: dict[tuple, int] = {}  # (param, layout) -> index into buckets
+        self.gathered: dict[tuple, fx.Node] = {}  # (param, layout) -> the param's local value in that layout
+        self.param_cache: dict[tuple, fx.Node] = {}  # (local value, layout) -> it redistributed
 
     # --- plan lookups ----------------------------------------------------------------------------------
     def node_plan(self, node: fx.Node) -> NodePlan:
@@ -97,6 +102,7 @@ class _Lowering:
                 tangents.append(new)
             else:
                 inputs.append(new)
+        self._plan_gather_buckets(nodes)
         for node in nodes:
             if node.op == "call_function":
                 self.env[node] = self._call(node)
@@ -120,10 +126,104 @@ class _Lowering:
 
     def _arg(self, a: fx.Node, dst: Layout | None, phase: str, consumer: str) -> fx.Node:
         new = self.env[a]
-        if dst is None:
+        if dst is None or self.layout_of(a) == tuple(dst):
             return new
-        return self._redistribute(new, self.layout_of(a), tuple(dst), phase,
-                                  f"the input {self.cap.names.get(a, a.name)} of {consumer}")
+        dst = tuple(dst)
+        base = self._param_view(a)
+        if base is None:
+            return self._redistribute(new, self.layout_of(a), dst, phase,
+                                      f"the input {self.cap.names.get(a, a.name)} of {consumer}")
+        # A parameter, or a transpose of one: redistribute the parameter itself (gathered on its own dim,
+        # in its block's bucket) and transpose the result. Parameter-only values are recomputed in backward
+        # rather than saved, so one gathered copy serves forward and backward uses alike.
+        key = (new, dst)
+        if key not in self.param_cache:
+            p, odd = base
+            pdst = _transpose_layout(dst) if odd else dst
+            if (p, pdst) not in self.gathered:
+                if (p, pdst) in self.bucket_of:
+                    self._gather_bucket(self.bucket_of[(p, pdst)])
+                else:
+                    self.gathered[(p, pdst)] = self._redistribute(self.env[p], self.layout_of(p), pdst, phase,
+                                                                  f"the parameter {self.cap.names[p]}")
+            v = self.gathered[(p, pdst)]
+            self.param_cache[key] = self.b.call(torch.ops.aten.t.default, (v,), phase=phase) if odd else v
+        return self.param_cache[key]
+
+    # --- parameter gathers in buckets ------------------------------------------------------------------
+    def _param_view(self, a: fx.Node) -> tuple[fx.Node, bool] | None:
+        """(param, odd) when `a` is a parameter or a chain of 2-D transposes of one (odd: an odd number of
+        them), each reading its input as laid out."""
+        odd = False
+        params = self.cap.params.values()
+        while a not in params:
+            if a.op != "call_function" or a.target is not torch.ops.aten.t.default or a.meta["val"].dim() != 2:
+                return None
+            inner = a.args[0]
+            lay = self.layout_of(inner)
+            if tuple(self.node_plan(a).ins[0] or ()) != lay or self.layout_of(a) != _transpose_layout(lay):
+                return None
+            a, odd = inner, not odd
+        return a, odd
+
+    def _plan_gather_buckets(self, nodes: list[fx.Node]) -> None:
+        """Group the parameter all-gathers the program will need, in order of first use, into one collective
+        per block (consecutive parameters of the same layer, mesh axis and dtype), as FSDP does."""
+        seen: set[tuple] = set()
+        runs: list[tuple[tuple, list[tuple], str]] = []  # (block, axis, dtype), members, phase of first use
+        for node in nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            tensor_nodes = [a for a in _flat_nodes((node.args, node.kwargs)) if _is_tensor(a)]
+            for a, dst in zip(tensor_nodes, self.node_plan(node).ins):
+                if dst is None or self.layout_of(a) == tuple(dst):
+                    continue
+                base = self._param_view(a)
+                if base is None:
+                    continue
+                p, odd = base
+                dst = _transpose_layout(tuple(dst)) if odd else tuple(dst)
+                steps = checked_steps(self.layout_of(p), dst)
+                if (p, dst) in seen or len(steps) != 1 or steps[0].kind != "all_gather":
+                    continue
+                seen.add((p, dst))
+                group = (self._block_of(p), steps[0].axis, p.meta["val"].dtype)
+                if runs and runs[-1][0] == group:
+                    runs[-1][1].append(((p, dst), steps[0].dim))
+                else:
+                    runs.append((group, [((p, dst), steps[0].dim)], self.cap.phase[node]))
+        for group, members, phase in runs:
+            if len(members) < 2:
+                continue
+            self.buckets.append(GatherBucket(axis=group[1], phase=phase, members=[(k[0], d) for k, d in members],
+                                             keys=[k for k, _ in members]))
+            for key, _ in members:
+                self.bucket_of[key] = len(self.buckets) - 1
+
+    def _block_of(self, param: fx.Node) -> str:
+        fqn = self.cap.names[param].split("/", 1)[1]
+        for blk in self.cap.blocks:
+            m = re.match(rf"^{re.escape(blk.prefix)}\.(\d+)\.", fqn)
+            if m:
+                return f"{blk.prefix}.{m.group(1)}"
+        return ""
+
+    def _gather_bucket(self, idx: int) -> None:
+        """Wait for bucket `idx` (issuing it if needed), cache each member's gathered value, and issue the next
+        bucket of the same phase so its collective runs while this block computes."""
+        bucket = self.buckets[idx]
+        if bucket.done:
+            return
+        if bucket.issued is None:
+            bucket.issued = emit_bucket_issue(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
+        values = emit_bucket_wait(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
+        for key, v in zip(bucket.keys, values):
+            self.gathered[key] = v
+        bucket.done = True
+        nxt = idx + 1
+        if nxt < len(self.buckets) and self.buckets[nxt].phase == bucket.phase and self.buckets[nxt].issued is None:
+            nb = self.buckets[nxt]
+            nb.issued = emit_bucket_issue(self.b, nb, [self.env[p] for p, _ in nb.members], self.rank)
 
     def _redistribute(self, new: fx.Node, src: Layout, dst: Layout, phase: str, what: str) -> fx.Node:
         if src == dst:
@@ -180,25 +280,36 @@ class _Lowering:
         loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
         before = set(self.b.graph.nodes)
         grads: dict[str, fx.Node | None] = {}
-        buckets: dict[tuple, list[tuple[str, fx.Node]]] = {}
+        buckets: dict[tuple, list[tuple[str, fx.Node, int]]] = {}
         for fqn, pnode in cap.params.items():
             g = cap.grads.get(fqn)
             if g is None:
                 grads[fqn] = None
                 continue
             steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
-            if len(steps) == 1 and steps[0].kind == "all_reduce" and steps[0].op == "sum":
-                # Data-parallel gradients: all-reduced in buckets, as DDP does, not one collective each.
-                buckets.setdefault((steps[0].axis, self.env[g].meta["val"].dtype), []).append((fqn, self.env[g]))
+            if len(steps) == 1 and steps[0].kind in ("all_reduce", "reduce_scatter") and steps[0].op == "sum":
+                # Data-parallel (all-reduce) and FSDP (reduce-scatter) gradients go in buckets, as DDP and
+                # FSDP do, not one collective each.
+                key = (steps[0].kind, steps[0].axis, self.env[g].meta["val"].dtype)
+                buckets.setdefault(key, []).append((fqn, self.env[g], steps[0].dim))
             else:
                 grads[fqn] = self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}")
-        for (axis, _), items in buckets.items():
+        for (kind, axis, _), items in buckets.items():
             # Gradients appear last layer first: fill buckets in that order so the first can start early.
-            grads.update(bucketed_all_reduce(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
+            if kind == "all_reduce":
+                grads.update(bucketed_all_reduce(self.b, [(f, x) for f, x, _ in items[::-1]], axis, self.rank,
+                                                 BUCKET_BYTES))
+            else:
+                grads.update(bucketed_reduce_scatter(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
         for n in self.b.graph.nodes:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         self.b.output((loss, *(grads[f] for f in cap.params)))
+
+
+def _transpose_layout(layout: Layout) -> Layout:
+    """The layout of t(x) given x's layout, and back (2-D: dims 0 and 1 swap)."""
+    return tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in layout)
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
