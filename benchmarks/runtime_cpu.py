@@ -3,6 +3,9 @@
 Usage (from the repo root): python benchmarks/runtime_cpu.py [--steps 20] [--warmup 3] [--batch 8] [--seq 128]
 
 One training step = forward + backward + AdamW step, the same global batch for every engine, fp32 everywhere.
+AdamW runs the same implementation on both sides of a pair (--optimizer; default foreach, torch's default on GPU).
+With torch's CPU default, the per-tensor loop, every optimizer op on a DTensor parameter pays DTensor dispatch:
+that costs autopar (and FSDP2) against DDP's plain tensors, and says nothing about the generated program.
 Pairs, each measured side by side in one worker function: both engines are built and warmed up, then steps
 alternate A B A B ...; every step starts after a barrier and its time is the slowest rank's. The ratio of a pair
 is the median over the per-step ratios autopar / torch.
@@ -50,11 +53,14 @@ def _mesh(shape, names):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def _adamw(params):
-    return torch.optim.AdamW(list(params), lr=1e-3)
+OPTIMIZER = {"foreach": {"foreach": True}, "loop": {"foreach": False}, "fused": {"fused": True}}
 
 
-def build(kind: str, batch: int, seq: int):
+def _adamw(params, optimizer: str):
+    return torch.optim.AdamW(list(params), lr=1e-3, **OPTIMIZER[optimizer])
+
+
+def build(kind: str, batch: int, seq: int, optimizer: str):
     """(step function returning the global mean loss, description) for one engine."""
     import torch.distributed as dist
 
@@ -79,7 +85,7 @@ def build(kind: str, batch: int, seq: int):
             shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
             cfg = cfg.with_(**recipes.RECIPES[recipe](shapes, mesh_spec(mesh)))
         pm = autopar.parallelize(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
-        opt = _adamw(pm.parameters())
+        opt = _adamw(pm.parameters(), optimizer)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -94,7 +100,7 @@ def build(kind: str, batch: int, seq: int):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)
-        opt = _adamw(ddp.parameters())
+        opt = _adamw(ddp.parameters(), optimizer)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -114,7 +120,7 @@ def build(kind: str, batch: int, seq: int):
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = _adamw(model.parameters())
+        opt = _adamw(model.parameters(), optimizer)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -138,7 +144,7 @@ def build(kind: str, batch: int, seq: int):
             parallelize_module(block, mesh, plan)
             block.attention.n_heads //= WORLD  # the local heads, as torchtitan does
             block.attention.n_kv_heads //= WORLD
-        opt = _adamw(model.parameters())
+        opt = _adamw(model.parameters(), optimizer)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -152,14 +158,14 @@ def build(kind: str, batch: int, seq: int):
     raise KeyError(kind)
 
 
-def bench_pair(a: str, b: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def bench_pair(a: str, b: str, batch: int, seq: int, warmup: int, steps: int, optimizer: str) -> dict:
     """Builds a and b, warms both up, then alternates one step of each; per-step times are the slowest rank's."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    step_a, desc_a = build(a, batch, seq)
+    step_a, desc_a = build(a, batch, seq, optimizer)
     build_a = time.perf_counter() - t0
-    step_b, desc_b = build(b, batch, seq)
+    step_b, desc_b = build(b, batch, seq, optimizer)
     losses = {a: [], b: []}
     for _ in range(warmup):
         losses[a].append(step_a().item())
@@ -190,15 +196,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split 4 ways for the data-parallel engines)")
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZER), default="foreach",
+                    help="AdamW implementation, the same for both engines (default: foreach, torch's default on "
+                         "GPU; 'loop' is torch's CPU default)")
     args = ap.parse_args()
 
     from autopar.testing.dist import close_pools, get_pool
 
     t_start = time.perf_counter()
     pool = get_pool(WORLD, threads=1)
-    kw = dict(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps)
+    kw = dict(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, optimizer=args.optimizer)
     print(f"model {CFG_NAME}, global batch {args.batch}x{args.seq} tokens, {WORLD} gloo CPU ranks x 1 thread "
-          f"({os.cpu_count()} cores), fp32, {args.warmup} warm-up + {args.steps} interleaved steps per pair",
+          f"({os.cpu_count()} cores), fp32, AdamW {args.optimizer}, {args.warmup} warm-up + {args.steps} interleaved "
+          "steps per pair",
           flush=True)
     rows = []
     for name, a, b in (("DP", "autopar:ddp:4", "ddp"), ("FSDP", "autopar:fsdp:4", "fsdp2"),

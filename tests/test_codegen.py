@@ -78,9 +78,10 @@ def test_data_parallel_reduces_gradients_in_buckets():
     assert fwd == [("all_reduce", "dp")], prog.code()
     out = next(n for n in prog.forward.graph.nodes if n.op == "output")
     assert _feeds(out.args[0][0], prog.forward) == fwd
-    # Backward: the four gradients all-reduced in 25 MiB buckets, nothing else: fc2's bias and weight with
-    # fc1's bias (16.8 MB), then fc1's weight (16.8 MB) in a second bucket.
-    assert bwd == [("all_reduce", "dp")] * 2, prog.code()
+    # Backward: the four gradients all-reduced in buckets as DDP fills them, nothing else: the first bucket
+    # holds at most 1 MiB (fc2's bias alone: fc2's weight is 16.8 MB), the next ones 25 MiB (fc2's weight with
+    # fc1's bias, then fc1's weight).
+    assert bwd == [("all_reduce", "dp")] * 3, prog.code()
 
 
 def _feeds(node, gm):

@@ -152,14 +152,16 @@ def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint
     raise CodegenError(f"unknown redistribution step {st}")
 
 
-def _by_size(items: Sequence[tuple], bucket_bytes: int) -> list[list[tuple]]:
-    """Consecutive items (name, node, ...) in groups of at most `bucket_bytes` (a larger item goes alone)."""
+def _by_size(items: Sequence[tuple], bucket_bytes: int, first_bytes: int | None = None) -> list[list[tuple]]:
+    """Consecutive items (name, node, ...) in groups of at most `bucket_bytes`, the first group of at most
+    `first_bytes` (a larger item goes alone)."""
     groups: list[list[tuple]] = []
     size = 0
     for item in items:
         val = item[1].meta["val"]
         nbytes = val.numel() * val.element_size()
-        if not groups or (groups[-1] and size + nbytes > bucket_bytes):
+        cap = first_bytes if first_bytes is not None and len(groups) == 1 else bucket_bytes
+        if not groups or (groups[-1] and size + nbytes > cap):
             groups.append([])
             size = 0
         groups[-1].append(item)
@@ -175,11 +177,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: int, rank: RankSpec,
-                        bucket_bytes: int) -> dict[str, fx.Node]:
+                        bucket_bytes: int, first_bytes: int | None = None) -> dict[str, fx.Node]:
     """Sum-all-reduce many tensors over one axis with few collectives: flatten and concatenate up to
-    `bucket_bytes` per bucket, reduce once, and slice the results back into shape."""
+    `bucket_bytes` per bucket (`first_bytes` for the first, so the first reduction starts early), reduce
+    once, and slice the results back into shape."""
     out: dict[str, fx.Node] = {}
-    for bucket in _by_size(items, bucket_bytes):
+    for bucket in _by_size(items, bucket_bytes, first_bytes):
         flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
         cat = flat[0] if len(flat) == 1 else b.call(aten.cat.default, (flat,), phase="bwd")
         y = emit_step(b, cat, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")

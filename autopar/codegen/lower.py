@@ -21,7 +21,8 @@ from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
-BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket
+BUCKET_BYTES = 25 * 2**20  # as DDP's default buckets: the first 1 MiB (it starts while backward runs), then 25 MiB
+FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclasses.dataclass
@@ -298,7 +299,7 @@ class _Lowering:
             # Gradients appear last layer first: fill buckets in that order so the first can start early.
             if kind == "all_reduce":
                 grads.update(bucketed_all_reduce(self.b, [(f, x) for f, x, _ in items[::-1]], axis, self.rank,
-                                                 BUCKET_BYTES))
+                                                 BUCKET_BYTES, FIRST_BUCKET_BYTES))
             else:
                 grads.update(bucketed_reduce_scatter(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
         for n in self.b.graph.nodes:

@@ -13,8 +13,11 @@ Sources for the figures below (dense, i.e. without 2:4 sparsity, which the datas
   * PCIe: Gen4 x16 is 32 GB/s each way raw (PCI-SIG); Gen5 doubles that, but 32 GB/s is the figure a collective
     sees in practice on either once protocol overhead and host bridges are counted, so one number serves both.
   * Latencies are per ring step, the order of magnitude NCCL reaches: ~5 us over NVLink, ~10 us over IB and PCIe.
-  * "cpu" is a generic many-core host (gloo over shared memory); its figures are round orders of magnitude meant
-    to make CPU test runs plan sensibly, not to predict a particular machine.
+  * "cpu" is one single-threaded rank of a small host running several gloo ranks over TCP loopback; its figures
+    are round orders of magnitude from `benchmarks/runtime_cpu.py`-style runs (4 ranks on 2 cores: ~2.5e10 fp32
+    flop/s for a 512x512 matmul on an idle core, half of that per rank when ranks share cores; ~0.4-0.7 ms for
+    a 4-byte all-reduce; a 16 MB all-reduce in ~60 ms, 0.4 GB/s in the formula of comm.py), meant to make CPU
+    runs plan sensibly, not to predict a particular machine.
 Memory sizes are the decimal marketing figures (80e9, 141e9 bytes): a little below the physical capacity, which
 leaves room for the CUDA context and allocator fragmentation the planner does not model.
 """
@@ -46,7 +49,7 @@ class HardwareSpec:
 
 _IB = LinkSpec(bandwidth=50e9, latency=5e-6)  # ConnectX-7 400 Gb/s per GPU; ~5 us per hop
 _PCIE = LinkSpec(bandwidth=32e9, latency=5e-6)  # Gen4 x16 each way
-_LOOPBACK = LinkSpec(bandwidth=5e9, latency=2e-5)  # gloo over shared memory
+_LOOPBACK = LinkSpec(bandwidth=5e8, latency=5e-4)  # gloo over TCP loopback
 
 
 def _gpu_links(nvlink_bandwidth: float) -> dict:
@@ -64,7 +67,7 @@ HARDWARE: dict[str, HardwareSpec] = {
                          links=_gpu_links(450e9)),
     "h200": HardwareSpec("h200", dict(_HOPPER_FLOPS), hbm_bandwidth=4.8e12, memory_bytes=141e9,
                          links=_gpu_links(450e9)),
-    "cpu": HardwareSpec("cpu", {torch.float32: 1e11, torch.bfloat16: 1e11}, hbm_bandwidth=5e10,
+    "cpu": HardwareSpec("cpu", {torch.float32: 1e10, torch.bfloat16: 1e10}, hbm_bandwidth=1e10,
                         memory_bytes=64e9, links={"loopback": _LOOPBACK}),
 }
 
