@@ -309,6 +309,8 @@ CASES = (
         (aten.sigmoid_backward.default, lambda: (_t(4, 6), _t(4, 6)), {}),
         (aten.hardtanh_backward.default, lambda: (_t(4, 6), _t(4, 6), -0.5, 0.5), {}),
         (aten.leaky_relu_backward.default, lambda: (_t(4, 6), _t(4, 6), 0.01, False), {}),
+        (aten.native_dropout.default, lambda: (_t(4, 6), 0.0, True), {}),  # p > 0: tests/test_dropout.py
+        (aten.native_dropout_backward.default, lambda: (_t(4, 6), _t(4, 6, dtype=torch.bool), 2.0), {}),
         (aten._to_copy.default, lambda: (_t(4, 6, dtype=torch.int64),), {"dtype": F32}),
         (aten.copy.default, lambda: (_t(4, 6), _t(6)), {}),
         (aten.mv.default, lambda: (_t(4, 6), _t(6)), {}),

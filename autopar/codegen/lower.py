@@ -16,6 +16,7 @@ from autopar.codegen.collectives import (GatherBucket, bucketed_all_reduce, buck
                                         emit_bucket_issue, emit_bucket_wait, redistribute)
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
+from autopar.codegen import rng
 from autopar.layout import fmt_layout, local_shape
 from autopar.plan import NodePlan, Plan
 
@@ -29,8 +30,9 @@ FIRST_BUCKET_BYTES = 2**20
 class LocalJoint:
     """One rank's joint forward+backward graph over local shards.
 
-    Placeholders: params (in `params` order), buffers, inputs, tangents. Output: (loss replicated,
-    grad per param in `params` order, each in its parameter's layout, or None)."""
+    Placeholders: params (in `params` order), buffers, inputs, tangents, and `rng_seed` (an int, the step
+    seed of codegen/rng.py) when the program draws dropout masks. Output: (loss replicated, grad per param in
+    `params` order, each in its parameter's layout, or None)."""
 
     gm: fx.GraphModule
     phase: dict[fx.Node, str]
@@ -39,6 +41,7 @@ class LocalJoint:
     inputs: list[fx.Node]
     tangents: list[fx.Node]
     layouts: dict[str, Layout]  # placeholder node name -> layout of its local value
+    rng_seed: fx.Node | None = None
 
     @property
     def code(self) -> str:
@@ -103,6 +106,10 @@ class _Lowering:
                 tangents.append(new)
             else:
                 inputs.append(new)
+        self.rng_seed = None
+        if any(_random_dropout(n) for n in nodes):
+            self.rng_seed = self.b.graph.placeholder(rng.SEED_INPUT)
+            self.rng_seed.meta["val"] = 0
         self._plan_gather_buckets(nodes)
         for node in nodes:
             if node.op == "call_function":
@@ -113,7 +120,7 @@ class _Lowering:
                 self._output()
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
-        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts)
+        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed)
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
@@ -268,6 +275,9 @@ class _Lowering:
         fake_kwargs = kwargs
         if self.rank.device != "cpu":
             kwargs = local_device_kwargs(kwargs, self.rank.device)
+        if _random_dropout(node):
+            target, args, kwargs = self._seeded_dropout(node, np_, args, kwargs)
+            fake_kwargs = kwargs
         if target in _VIEWS and not _viewable(args[0].meta["val"], args[1]):
             # A view the global graph could take may not fit a local layout that was re-laid out by a
             # collective; in a functional graph a reshape computes the same value.
@@ -275,6 +285,18 @@ class _Lowering:
         new = self.b.call(target, tuple(args), kwargs, phase=phase, name=node.name, fake_kwargs=fake_kwargs)
         _check_shapes(site, new)
         return new
+
+    def _seeded_dropout(self, node: fx.Node, np_: NodePlan, args: list, kwargs: dict) -> tuple:
+        """native_dropout drawing its mask from the generator codegen/rng.py seeds: the same mask on every rank
+        holding the same shard of the input, independent ones elsewhere."""
+        name = self.cap.names[node]
+        if self.cap.phase[node] != "fwd":
+            raise CodegenError(f"{name}: a dropout in the backward pass (a forward recomputed by the model) cannot "
+                               "reproduce its forward mask; drop the recomputation or use dropout 0")
+        x = args[0] if args else kwargs["input"]
+        p = float(args[1] if len(args) > 1 else kwargs["p"])
+        shard = rng.shard_index(tuple(np_.ins[0]), self.rank.coords, self.rank.axis_sizes)
+        return rng.SEEDED_DROPOUT, (x, p, self.rng_seed, rng.stream_key(name), shard), {}
 
     def _output(self) -> None:
         cap = self.cap
@@ -306,6 +328,11 @@ class _Lowering:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         self.b.output((loss, *(grads[f] for f in cap.params)))
+
+
+def _random_dropout(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.native_dropout.default
+            and rng.is_random_dropout(node.args, node.kwargs))
 
 
 def _transpose_layout(layout: Layout) -> Layout:

@@ -19,7 +19,7 @@ from autopar.codegen.lower import GRAD_SYNC, LocalJoint
 class LocalProgram:
     """One rank's training step as two graphs plus the bookkeeping to call them."""
 
-    forward: fx.GraphModule  # (*params, *buffers, *inputs) -> (loss, *saved)
+    forward: fx.GraphModule  # (*params, *buffers, *inputs[, rng_seed]) -> (loss, *saved)
     backward: fx.GraphModule  # (*saved, *tangents) -> (grad per param or None)
     params: list[str]
     buffers: list[str]
@@ -27,6 +27,7 @@ class LocalProgram:
     saved: list[str]
     recomputed: list[str]
     joint: LocalJoint
+    takes_seed: bool = False  # forward takes the step seed of codegen/rng.py last (the program draws dropout masks)
 
     def code(self) -> str:
         """The generated per-rank program as Python text."""
@@ -88,7 +89,8 @@ def split(joint: LocalJoint) -> LocalProgram:
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
     return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
                         n_inputs=len(joint.inputs), saved=[s.name for s in saved],
-                        recomputed=sorted(n.name for n in recompute), joint=joint)
+                        recomputed=sorted(n.name for n in recompute), joint=joint,
+                        takes_seed=joint.rng_seed is not None)
 
 
 def _is_wait(n: fx.Node) -> bool:
@@ -119,7 +121,8 @@ def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
 def _forward_graph(joint: LocalJoint, loss: fx.Node, saved: list[fx.Node]) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs]:
+    seed = [joint.rng_seed] if joint.rng_seed is not None else []
+    for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs, *seed]:
         _copy(g, p, env)
     live = _ancestors([loss, *saved], stop=lambda n: n.op == "placeholder")
     for n in joint.gm.graph.nodes:

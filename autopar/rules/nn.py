@@ -1,11 +1,12 @@
-"""Neural-network layers with their own kernels: embedding, layer/RMS norm and convolution, forward and backward."""
+"""Neural-network layers with their own kernels: embedding, layer/RMS norm, convolution and dropout, forward and
+backward."""
 from __future__ import annotations
 
 import torch
 
 from autopar.layout import P, R, S
 from autopar.rules.base import AxisStrategy, OpInfo
-from autopar.rules.common import arg, partial_through
+from autopar.rules.common import PARTIALS, arg, elementwise, partial_through
 from autopar.rules.registry import register
 
 aten = torch.ops.aten
@@ -94,3 +95,13 @@ def convolution_backward(info: OpInfo):
         res.append(AxisStrategy((R, S(1), S(1)), (S(1), S(1), R)))
     # All gradients are linear in grad_output.
     return res + partial_through(info, (0,))
+
+
+@register(aten.native_dropout.default)
+def native_dropout(info: OpInfo):
+    # outputs: (input * mask * scale, mask). Each rank draws the mask of the piece it holds (codegen/rng.py):
+    # any dim shards, the mask alike.
+    res = elementwise(info)
+    # Ranks that differ only on a Partial axis draw the same mask (their shard of the input is the same), and
+    # for a fixed mask dropout is linear in its input: the masked parts sum to the masked value.
+    return res + [AxisStrategy((p,), (p, R)) for p in PARTIALS]

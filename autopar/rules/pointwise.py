@@ -78,6 +78,7 @@ PARTIAL_RULES: dict[object, tuple[Callable[[OpInfo], list[AxisStrategy]], str]] 
     aten.sigmoid_backward.default: (_first, "linear in grad_output"),
     aten.hardtanh_backward.default: (_first, "linear in grad_output"),
     aten.leaky_relu_backward.default: (_first, "linear in grad_output"),
+    aten.native_dropout_backward.default: (_first, "linear in grad_output (the mask replicates)"),
 }
 
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from autopar import _torch_compat as compat
 from autopar.codegen import LocalProgram
+from autopar.codegen.rng import step_seed
 from autopar.layout import fmt_layout
 from autopar.plan import Plan
 from autopar.runtime.state import as_dtensor, local_shard, mesh_coords, mesh_device
@@ -73,7 +74,8 @@ class ParallelModule(nn.Module):
     def __init__(self, *, plan: Plan, program: LocalProgram, mesh: DeviceMesh, params: dict[str, DTensor],
                  buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
                  input_specs: list[tuple[tuple[int, ...], torch.dtype]], input_layouts: list[tuple],
-                 input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator):
+                 input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator,
+                 rng_seed: int = 0):
         super().__init__()
         self.plan = plan
         self.program = program
@@ -88,6 +90,7 @@ class ParallelModule(nn.Module):
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
+        self.manual_seed(rng_seed)
         program.forward.to(self._device)  # constants the program holds
         program.backward.to(self._device)
         for fqn in self._param_order:
@@ -110,9 +113,23 @@ class ParallelModule(nn.Module):
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in self._param_order]
         buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
+        seed = self._next_seed(self.program)
         if not torch.is_grad_enabled():
-            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs)[0]
-        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs)
+            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
+        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+
+    def manual_seed(self, seed: int, step: int = 0) -> None:
+        """Restart the random stream dropout masks are drawn from at `seed`, as if the program had run `step`
+        times since (to resume a run: its seed and its number of training forward calls). Call it on every
+        rank with the same values; see autopar/codegen/rng.py for what the masks depend on."""
+        self._rng_base, self._rng_step = int(seed), int(step)
+
+    def _next_seed(self, program: LocalProgram) -> list[int]:
+        """The step seed a program that draws dropout masks takes as its last input; one per call."""
+        if not program.takes_seed:
+            return []
+        self._rng_step += 1
+        return [step_seed(self._rng_base, self._rng_step - 1)]
 
     def eval_program(self, *args: Any, **kwargs: Any) -> EvalProgram:
         """The forward-only program (`.program`) and its plan (`.plan`) that eval-mode calls with inputs like
@@ -126,7 +143,7 @@ class ParallelModule(nn.Module):
         params = [compat.dtensor_local(self.get_parameter(f)) for f in entry.program.params]
         buffers = [_local(self.get_buffer(f)) for f in entry.program.buffers]
         with torch.no_grad():
-            return entry.program.forward(*params, *buffers, *inputs)[0]
+            return entry.program.forward(*params, *buffers, *inputs, *self._next_seed(entry.program))[0]
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""

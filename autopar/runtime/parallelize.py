@@ -220,6 +220,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     Every rank calls this with the same model (same seed, or on the meta device) and example inputs. Without
     `plan`, rank 0 plans on the full graph and broadcasts the plan. A meta-device model gets only its local
     shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
+    `seed` is also the base seed of dropout masks (autopar/codegen/rng.py); without it, rank 0's
+    `torch.initial_seed()` is, sent to every rank.
     The ParallelModule keeps a reference to `model`: its eval mode re-traces the model's structure (see
     autopar.runtime.evaluate), so real weights of a model not on the meta device stay alive with it.
     """
@@ -246,7 +248,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
                           non_persistent=_non_persistent(model), input_specs=input_specs,
                           input_layouts=layouts, input_leaves=leaves, requires_grad=requires_grad,
-                          evaluator=evaluator)
+                          evaluator=evaluator, rng_seed=_agree_on_seed(seed, world))
+
+
+def _agree_on_seed(seed: int | None, world: int) -> int:
+    """The base seed of dropout masks, the same on every rank: `seed`, or rank 0's torch.initial_seed()."""
+    if seed is not None:
+        return int(seed)
+    value = [torch.initial_seed()]
+    if world > 1:
+        dist.broadcast_object_list(value, src=0)
+    return int(value[0])
 
 
 def input_layouts(plan: Plan, cap) -> tuple[list[int], list[tuple]]:
