@@ -1,6 +1,7 @@
 """The one place that composes capture -> passes -> codegen -> runtime."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 from torch import nn
@@ -43,16 +44,27 @@ def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, e
          loss_fn: Callable | None = None, config: Config | None = None) -> Plan:
     """Capture the model's training step and choose a placement per op; returns an inspectable Plan.
 
-    Repeated layers are captured as a short template (Config.template_layers, default 2) and scaled to the
-    model's depth, so planning time does not grow with depth."""
-    from autopar.passes import run_passes
+    Repeated layers are captured as a short template (Config.template_layers, default 2; None captures the
+    whole model) and scaled to the model's depth, so planning time does not grow with depth. When the
+    template's layers differ from one another (an op some layer lacks, or computes on other shapes), a template
+    cannot stand for the others: the whole model is captured instead, with a warning."""
+    from autopar.passes import PASSES, annotate_shapes_pass, run_passes
+    from autopar.passes.annotate_shapes import layer_differences
 
     config = config or Config()
-    tl = config.template_layers if config.template_layers is not None else 2
     with Progress(enabled=config.solver.show_progress, what="planning") as prog:
-        ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=tl,
-                           progress=prog)
-        run_passes(ctx.captured.gm, ctx)
+        ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config,
+                           template_layers=config.template_layers, progress=prog)
+        run_passes(ctx.captured.gm, ctx, (annotate_shapes_pass,))
+        differ = layer_differences(ctx) if any(b.captured < b.count for b in ctx.captured.blocks) else []
+        if differ:
+            warnings.warn(f"the {config.template_layers} template layers differ ({differ[0]}): they cannot stand "
+                          "for the model's other layers, so the whole model is captured instead; pass "
+                          "Config(template_layers=None) to capture it whole from the start", stacklevel=2)
+            ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None,
+                               progress=prog)
+            run_passes(ctx.captured.gm, ctx, (annotate_shapes_pass,))
+        run_passes(ctx.captured.gm, ctx, tuple(p for p in PASSES if p is not annotate_shapes_pass))
     p = ctx.plan
     p.solver_stats["capture_seconds"] = ctx.captured.capture_seconds
     p.context = ctx

@@ -36,8 +36,9 @@ class Config:
           {"act:<block-relative node glob>": placements} fixing activations (e.g. sequence parallel recipes).
     input_placements: {input index: placements} fixing how inputs are split.
     mixed_precision: "bf16" computes in bfloat16 with fp32 master weights; None computes in the params' dtype.
-    template_layers: capture this many layers of each repeated stack and scale costs to the full depth
-                     (None: capture the whole model).
+    template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
+                     the full depth, so planning time does not grow with depth (None: capture the whole model).
+                     parallelize() always captures the whole model, since it runs every layer.
     """
 
     device: str | None = None
@@ -47,7 +48,7 @@ class Config:
     input_placements: Mapping[int, tuple] | None = None
     solver_time_limit_s: float | None = None
     mixed_precision: str | None = None
-    template_layers: int | None = None
+    template_layers: int | None = 2
     solver: SolverConfig = SolverConfig()
 
     def with_(self, **changes: Any) -> "Config":

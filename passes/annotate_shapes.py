@@ -181,3 +181,27 @@ def _view_base(node: fx.Node, ctx: PassContext) -> fx.Node:
            and node.all_input_nodes[0] not in ctx.param_derived):
         node = node.all_input_nodes[0]
     return node
+
+
+def layer_differences(ctx: PassContext) -> list[str]:
+    """Where the captured layers of a repeated stack differ: per stack, its first op that some captured layer
+    lacks or computes on other shapes (such ops are keyed per layer). Empty when every captured layer holds the
+    same ops under the same names, so a template of them stands for any number of such layers."""
+    cap = ctx.captured
+    out = []
+    for b in cap.blocks:
+        for key, nodes in ctx.members.items():
+            if nodes[0].op != "call_function":
+                continue
+            layers = sorted({cap.block_of[n][1] for n in nodes if cap.block_of.get(n, ("",))[0] == b.prefix})
+            if layers and len(layers) < b.captured:
+                name = cap.block_relative(cap.names[nodes[0]])
+                if name != key:  # keyed per layer
+                    out.append(f"{name} ({nodes[0].target}) has other shapes or arguments in some layers of "
+                               f"{b.prefix}.0 to {b.prefix}.{b.captured - 1}")
+                else:
+                    where = ", ".join(f"{b.prefix}.{i}" for i in layers)
+                    out.append(f"{name} ({nodes[0].target}) runs in {where} only, of {b.prefix}.0 to "
+                               f"{b.prefix}.{b.captured - 1}")
+                break
+    return out

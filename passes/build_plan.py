@@ -58,15 +58,22 @@ def node_op(key: str, node: fx.Node) -> str:
     return key.split("/", 1)[0] if node.op in ("placeholder", "get_attr") else str(node.target)
 
 
+def key_count(ctx: PassContext, key: str) -> str | None:
+    """How many times a key's op runs per step (a template's layers scaled to the full depth), as the
+    fingerprint and plan checks compare it; None for constants, which are not scaled with their layer."""
+    node = ctx.members[key][0]
+    return None if node.op == "get_attr" else f"{ctx.node_count[key]:.6g}"
+
+
 def fingerprint(ctx: PassContext) -> str:
-    """Identity of model + inputs + mesh: the ops and shapes behind every plan key (the same for a template
-    capture and the full-depth graph)."""
+    """Identity of model + inputs + mesh: the ops and shapes behind every plan key and how many times each runs
+    per step (the same for a template capture and the full-depth graph when the model's layers are alike)."""
     h = hashlib.sha256()
     for key in sorted(ctx.members):
         node = ctx.members[key][0]
         v = node.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else None
-        h.update(f"{key}|{node_op(key, node)}|{shape}\n".encode())
+        h.update(f"{key}|{node_op(key, node)}|{shape}|{key_count(ctx, key)}\n".encode())
     h.update(repr(sorted((b.prefix, b.count) for b in ctx.captured.blocks)).encode())
     h.update(repr(ctx.mesh.shape).encode())
     return h.hexdigest()[:16]

@@ -60,9 +60,12 @@ def _reject_collectives(cap) -> None:
 
 
 def check_plan(plan: Plan, ctx) -> None:
-    """Raise PlanMismatchError unless `plan` fits this capture: same mesh, and every node of the graph has a
-    plan entry with the same op whose layouts divide this graph's shapes."""
-    from autopar.passes.build_plan import fingerprint
+    """Raise PlanMismatchError, naming the first mismatch, unless `plan` fits this capture: same mesh and
+    depth, and every node of the graph has a plan entry with the same op, run as many times per step, whose
+    layouts divide this graph's shapes. A plan made on a template of the first layers fits the full-depth
+    graph when the model's layers are alike."""
+    from autopar.passes.annotate_shapes import layer_differences
+    from autopar.passes.build_plan import fingerprint, key_count, node_op
 
     mesh = ctx.mesh
     if tuple(plan.mesh.axis_names) != tuple(mesh.axis_names) or tuple(plan.mesh.shape) != tuple(mesh.shape):
@@ -71,18 +74,30 @@ def check_plan(plan: Plan, ctx) -> None:
     if plan.fingerprint == fingerprint(ctx):
         return
     cap = ctx.captured
+    for b in cap.blocks:
+        if plan.blocks.get(b.prefix, b.count) != b.count:
+            raise PlanMismatchError(f"the plan was made for {plan.blocks[b.prefix]} layers of {b.prefix}, this model "
+                                    f"has {b.count}; re-plan with this model")
+    differ = layer_differences(ctx)
+    # Layers unlike one another make a plan of the first layers (a template capture) miss or miscount ops.
+    cause = (": the plan was made for another model, or on a template of this model's first layers, which "
+             f"cannot stand for the others since its layers differ ({differ[0]}); plan with "
+             "Config(template_layers=None)" if differ else
+             ": the plan was made for another model; re-plan with this model")
     for key, nodes in ctx.members.items():
         node = nodes[0]
         if node.op == "call_function" and node.target.__name__ == "getitem":
             continue
         np_ = plan.nodes.get(key)
-        op = key.split("/", 1)[0] if node.op == "placeholder" else str(node.target)
+        op = node_op(key, node)
         if np_ is None:
-            raise PlanMismatchError(f"the plan has no entry for {key} ({op}): it was made for another model (or "
-                                    "another depth, or a template capture); re-plan with this model")
+            raise PlanMismatchError(f"the plan has no entry for {key} ({op}){cause}")
         if np_.op != op:
-            raise PlanMismatchError(f"the plan computes {key} with {np_.op}, this model with {op}: the plan was "
-                                    "made for another model; re-plan")
+            raise PlanMismatchError(f"the plan computes {key} with {np_.op}, this model with {op}{cause}")
+        count = key_count(ctx, key)
+        if count is not None and f"{np_.count:.6g}" != count:
+            raise PlanMismatchError(f"the plan runs {key} ({op}) {np_.count:.6g} times per step, this model "
+                                    f"{count} times{cause}")
         vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
         for v, lay in zip(vals, np_.outs):
             if isinstance(v, torch.Tensor) and not divides(tuple(v.shape), lay, mesh.shape):
@@ -92,8 +107,7 @@ def check_plan(plan: Plan, ctx) -> None:
     known = set(ctx.members)
     extra = [k for k in plan.nodes if k not in known]
     if extra:
-        raise PlanMismatchError(f"the plan has an entry for {extra[0]}, which this model lacks: it was made for "
-                                "another model; re-plan")
+        raise PlanMismatchError(f"the plan has an entry for {extra[0]}, which this model lacks{cause}")
     for fqn, node in cap.params.items():
         want = plan.param_numel.get(ctx.key[node].split("/", 1)[1])
         have = node.meta["val"].numel()
