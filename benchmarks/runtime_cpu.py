@@ -56,8 +56,31 @@ def _mesh(shape, names):
 OPTIMIZER = {"foreach": {"foreach": True}, "loop": {"foreach": False}, "fused": {"fused": True}}
 
 
+class _Optimizers:
+    """Several optimizers stepped as one."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
 def _adamw(params, optimizer: str):
-    return torch.optim.AdamW(list(params), lr=1e-3, **OPTIMIZER[optimizer])
+    """AdamW over params. torch's foreach and fused kernels cannot mix DTensor and plain parameters (as
+    parallelize_module leaves them: norms and embeddings stay plain), so those get one optimizer per kind;
+    AdamW updates every parameter independently, so the step is the same."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    groups = [g for g in groups if g] if optimizer != "loop" else [params]
+    return _Optimizers([torch.optim.AdamW(g, lr=1e-3, **OPTIMIZER[optimizer]) for g in groups])
 
 
 def build(kind: str, batch: int, seq: int, optimizer: str):
