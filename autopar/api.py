@@ -9,19 +9,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import capture
 from autopar.config import Config
-from autopar.cost import CPU_DEFAULT, GPU_DEFAULT, get_hardware
-from autopar.cost.memory import TrainingPrecision
+from autopar.cost import get_hardware, resolve_precision
 from autopar.mesh import mesh_spec
 from autopar.plan import Plan
 from autopar.progress import Progress
-
-
-def _precision(config: Config, device_type: str) -> TrainingPrecision:
-    if config.mixed_precision == "bf16" or (config.mixed_precision is None and device_type != "cpu"):
-        return GPU_DEFAULT
-    if config.mixed_precision in (None, "fp32"):
-        return CPU_DEFAULT
-    raise ValueError(f"unknown mixed_precision {config.mixed_precision!r}; use 'bf16', 'fp32' or None")
 
 
 def make_context(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
@@ -33,11 +24,14 @@ def make_context(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     device = config.device or ("cpu" if spec.device_type == "cpu" else "h100")
     hw = get_hardware(device)
     limit = int(config.memory_limit_gb * 2**30) if config.memory_limit_gb is not None else int(hw.memory_bytes)
+    # One precision for both: capture autocasts to its compute dtype, the cost model prices the resulting graph.
+    precision = resolve_precision(config.mixed_precision, spec.device_type)
     if progress:
         progress.update("capturing the joint forward+backward graph")
-    cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers)
-    return PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=_precision(config, spec.device_type),
-                       memory_limit=limit, progress=progress)
+    cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
+                  autocast_dtype=precision.autocast_dtype)
+    return PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
+                       progress=progress)
 
 
 def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, example_kwargs: dict | None = None,

@@ -165,9 +165,17 @@ def _decompositions() -> dict:
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
-            loss_fn: LossFn | None = None, *, template_layers: int | None = None) -> Captured:
+            loss_fn: LossFn | None = None, *, template_layers: int | None = None,
+            autocast_dtype: torch.dtype | None = None) -> Captured:
     """Trace model+loss into a joint graph. With `template_layers=k`, repeated layer stacks are cut to k
-    layers during the trace (the planner scales their costs back up), so capture time does not grow with depth."""
+    layers during the trace (the planner scales their costs back up), so capture time does not grow with depth.
+
+    With `autocast_dtype` (bf16 mixed precision) the trace runs under autocast, so the graph holds its casts:
+    fp32 parameters cast to bf16 before matmuls, autocast's fp32 ops (losses) in fp32, fp32 gradients. The
+    policy is autocast's CPU op lists whatever the target device, since the trace runs on CPU fake tensors
+    (CUDA autocast cannot be traced without a GPU) and one policy makes a plan's graph the same on every host.
+    Without it, autocast is off during the trace even inside a caller's autocast region, so the graph is the
+    precision planned."""
     t0 = time.perf_counter()
     kwargs = dict(example_kwargs or {})
     mode = compat.fake_tensor_mode()
@@ -176,7 +184,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         args = tuple(_to_fake_input(a, mode) for a in example_inputs)
         kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
         try:
-            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model):
+            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), \
+                    torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions())
                 gm = joint.graph_module
         except ValueError:
@@ -185,10 +194,27 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
             raise CaptureError.from_exception(e) from e
     block_list = [Block(name, count=len(ml), captured=min(len(ml), template_layers or len(ml))) for name, ml in blocks]
     _merge_tied(gm, _tie_groups(model))
+    _dedupe_casts(gm)
     cap = _describe(gm, block_list)
     cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
     cap.capture_seconds = time.perf_counter() - t0
     return cap
+
+
+def _dedupe_casts(gm: fx.GraphModule) -> None:
+    """One cast per value and dtype. Autocast casts an activation again for every matmul reading it (the
+    normed hidden state once each for wq, wk and wv); each copy would be computed and kept for backward."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
+            continue
+        key = (node.args, tuple(sorted(node.kwargs.items(), key=lambda kv: kv[0])))
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+        else:
+            first[key] = node
+    gm.recompile()
 
 
 def _tie_groups(model: nn.Module) -> list[list[str]]:

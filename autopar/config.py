@@ -35,7 +35,12 @@ class Config:
     pins: {fqn glob: placements tuple in mesh_dim_names order} fixing parameters (storage and use), or
           {"act:<block-relative node glob>": placements} fixing activations (e.g. sequence parallel recipes).
     input_placements: {input index: placements} fixing how inputs are split.
-    mixed_precision: "bf16" computes in bfloat16 with fp32 master weights; None computes in the params' dtype.
+    mixed_precision: "bf16": the step is captured under autocast to bfloat16, so the generated program casts the
+                     fp32 parameters (the master weights) to bf16 before matmuls (an FSDP weight is cast on its
+                     shard, then gathered in bf16), runs autocast's fp32 ops (losses such as cross_entropy)
+                     in fp32 and hands back fp32 gradients for an fp32 optimizer step. "fp32": no casts,
+                     every op in the parameters' dtype. None (default): "bf16" on GPU meshes, "fp32" on CPU
+                     meshes. The plan records it and is priced under it.
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.

@@ -294,7 +294,8 @@ def format_plan(plan: Any, width: int = 110, color: bool = False) -> str:
 
 def format_summary(plan: Any) -> str:
     """A few lines: mesh, step time, memory, techniques, and the placement of each kind of parameter."""
-    lines = [f"autopar plan on {mesh_text(plan)}, {plan.device}",
+    precision = {"bf16": ", bf16 compute (fp32 master weights)", "fp32": ", fp32"}.get(plan.mixed_precision, "")
+    lines = [f"autopar plan on {mesh_text(plan)}, {plan.device}{precision}",
              f"  step {fmt_time(plan.estimated_step_time)} (compute "
              f"{fmt_time(plan.cost_breakdown.get('compute_s'))}, exposed comm "
              f"{fmt_time(plan.cost_breakdown.get('exposed_comm_s'))}); peak memory {_memory_text(plan)}",

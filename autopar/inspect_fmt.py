@@ -58,6 +58,8 @@ def signed(text: str, value: float) -> str:
 
 
 def delta_time(a: float, b: float) -> str:
+    # At the precision a plan file keeps (6 significant digits), so a loaded plan diffs as the one in memory.
+    a, b = float(f"{a:.6g}"), float(f"{b:.6g}")
     d = b - a
     pct = f", {d / a * 100:+.1f}%" if a else ""
     return f"{fmt_time(a)} -> {fmt_time(b)} ({signed(fmt_time(d), d)}{pct})"

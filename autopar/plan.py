@@ -90,6 +90,8 @@ class Plan:
     memory_limit: int = 0
     solver_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = FORMAT_VERSION
+    # The Config.mixed_precision the graph was captured and priced under ("bf16" or "fp32"; None: not recorded).
+    mixed_precision: str | None = None
 
     # --- lookup -----------------------------------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -170,7 +172,7 @@ class Plan:
     def to_json(self) -> str:
         d = {
             "format": "autopar.plan", "version": self.version, "mesh": self.mesh.to_json(), "device": self.device,
-            "fingerprint": self.fingerprint, "blocks": self.blocks,
+            "fingerprint": self.fingerprint, "mixed_precision": self.mixed_precision, "blocks": self.blocks,
             "estimated_step_time": _r(self.estimated_step_time), "peak_memory_per_rank": self.peak_memory_per_rank,
             "memory_limit": self.memory_limit,
             "cost_breakdown": {k: _r(v) for k, v in sorted(self.cost_breakdown.items())},
@@ -207,7 +209,8 @@ class Plan:
                 estimated_step_time=d["estimated_step_time"], peak_memory_per_rank=d["peak_memory_per_rank"],
                 cost_breakdown=d["cost_breakdown"], memory_breakdown=d["memory_breakdown"],
                 fingerprint=d["fingerprint"], blocks=d.get("blocks", {}), param_numel=d.get("param_numel", {}),
-                memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"])
+                memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
+                mixed_precision=d.get("mixed_precision"))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e

@@ -48,7 +48,7 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         cost_breakdown={"compute_s": sim.compute_time, "comm_s": sim.comm_time, "exposed_comm_s": sim.exposed_comm,
                         "optimizer_s": sim.optimizer_time, **{f"comm[{k}]_s": v for k, v in sim.comm_by_axis.items()}},
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
-        memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats))
+        memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name)
     ctx.plan.simulation = sim
     return gm
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 from autopar.cost import collective_time, compute_time, link_spec, param_state_bytes, tensor_bytes
 from autopar.passes.context import PassContext
 from autopar.redistribute import plan_steps
-from autopar.rules.base import OpInfo, TensorMeta, op_info
+from autopar.rules.base import op_info
 
 R = Replicate()
 
@@ -36,7 +36,7 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.op in ("placeholder", "get_attr"):
             ctx.compute_cost[key] = [_load_time(ctx, key, node, s) for s in strats]
             continue
-        info = as_compute(op_info(node), ctx)
+        info = op_info(node)
         base = compute_time(info, ctx.hw)
         ctx.compute_cost[key] = [count * base / split_of(s, ctx.mesh.shape) for s in strats]
     _memory(ctx)
@@ -74,19 +74,10 @@ def split_of(strategy, sizes) -> int:
 
 
 def compute_dtype(dtype: torch.dtype, ctx: PassContext) -> torch.dtype:
-    cd = ctx.precision.compute_dtype
-    return cd if dtype.is_floating_point and cd is not None else dtype
-
-
-def as_compute(info: OpInfo, ctx: PassContext) -> OpInfo:
-    """The op as it runs under the configured compute precision (bf16 on GPU targets by default)."""
-    def conv(m):
-        return TensorMeta(m.shape, compute_dtype(m.dtype, ctx)) if isinstance(m, TensorMeta) else m
-
-    return OpInfo(info.target, tuple(conv(a) if not isinstance(a, (list, tuple)) else type(a)(conv(x) for x in a)
-                                     for a in info.args),
-                  {k: conv(v) for k, v in info.kwargs.items()}, tuple(conv(m) for m in info.inputs),
-                  tuple(conv(m) for m in info.outputs))
+    """The dtype a value is priced in: its own. Under mixed precision the graph was captured under autocast
+    (autopar.cost.resolve_precision), so it holds the casts: fp32 parameters, their bf16 copies, bf16 matmuls,
+    fp32 gradients each carry the dtype they run in (and an FSDP gather of a cast copy moves half the bytes)."""
+    return dtype
 
 
 def local_bytes(shape, dtype, layout, sizes) -> int:

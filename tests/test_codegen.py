@@ -44,7 +44,7 @@ def program(model, inputs, loss_fn, mesh, rank: RankSpec, **config):
     """Plan on the full graph and generate one rank's program."""
     cfg = Config(**{"solver": QUIET, "template_layers": None, **config})
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, config=cfg)
-    cap = capture(model, inputs, loss_fn=loss_fn)
+    cap = capture(model, inputs, loss_fn=loss_fn, autocast_dtype=plan.context.precision.autocast_dtype)
     return plan, cap, generate(plan, cap, rank)
 
 
@@ -223,7 +223,7 @@ def test_unsupported_local_rewrite_is_refused_with_the_op_named():
     mesh = autopar.fake_mesh(2, "tp")
     plan = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
                         config=Config(solver=QUIET, template_layers=None, pins={"*": (R,)}, device="h100"))
-    cap = capture(model, (tokens,), loss_fn=cross_entropy_loss)
+    cap = capture(model, (tokens,), loss_fn=cross_entropy_loss, autocast_dtype=plan.context.precision.autocast_dtype)
     # Shard the logits' sequence dim through `logits[:, :-1]`: a real slice of a sharded dim.
     data = Plan.from_json(plan.to_json())
     key = "output/fwd/slice"

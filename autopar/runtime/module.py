@@ -20,11 +20,20 @@ if TYPE_CHECKING:
 
 
 class _Runner:
-    """Calls the generated forward and backward graphs."""
+    """Calls the generated forward and backward graphs with autocast off: the program already holds the casts
+    its plan priced (Config.mixed_precision), and a caller's autocast region must not recast it."""
 
-    def __init__(self, program: LocalProgram):
-        self.forward = program.forward
-        self.backward = program.backward
+    def __init__(self, program: LocalProgram, device_type: str):
+        self._graphs = program.forward, program.backward
+        self._device_type = device_type
+
+    def forward(self, *args: torch.Tensor):
+        with torch.autocast(self._device_type, enabled=False):
+            return self._graphs[0](*args)
+
+    def backward(self, *args: torch.Tensor):
+        with torch.autocast(self._device_type, enabled=False):
+            return self._graphs[1](*args)
 
 
 class _TrainStep(torch.autograd.Function):
@@ -81,7 +90,7 @@ class ParallelModule(nn.Module):
         self.program = program
         self.mesh = mesh
         self._evaluator = evaluator
-        self._runner = _Runner(program)
+        self._runner = _Runner(program, mesh.device_type)
         self._param_order = list(program.params)
         self._buffer_order = list(program.buffers)
         self._input_specs = input_specs
@@ -142,7 +151,7 @@ class ParallelModule(nn.Module):
         inputs = [self._eval_input(leaves[i], lay) for i, lay in zip(entry.input_leaves, entry.input_layouts)]
         params = [compat.dtensor_local(self.get_parameter(f)) for f in entry.program.params]
         buffers = [_local(self.get_buffer(f)) for f in entry.program.buffers]
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(self.mesh.device_type, enabled=False):
             return entry.program.forward(*params, *buffers, *inputs, *self._next_seed(entry.program))[0]
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:

@@ -71,6 +71,11 @@ def check_plan(plan: Plan, ctx) -> None:
     if tuple(plan.mesh.axis_names) != tuple(mesh.axis_names) or tuple(plan.mesh.shape) != tuple(mesh.shape):
         raise PlanMismatchError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
                                 f"parallelize got {dict(zip(mesh.axis_names, mesh.shape))}; re-plan for this mesh")
+    here = ctx.precision.name
+    if plan.mixed_precision is not None and plan.mixed_precision != here:
+        raise PlanMismatchError(f"the plan was made for mixed_precision={plan.mixed_precision!r}, this run resolves "
+                                f"Config(mixed_precision={ctx.config.mixed_precision!r}) on a {mesh.device_type} mesh "
+                                f"to {here!r}; pass Config(mixed_precision={plan.mixed_precision!r}) or re-plan")
     if plan.fingerprint == fingerprint(ctx):
         return
     cap = ctx.captured
@@ -236,6 +241,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
     `seed` is also the base seed of dropout masks (autopar/codegen/rng.py); without it, rank 0's
     `torch.initial_seed()` is, sent to every rank.
+    A given plan runs in the mixed precision it records, unless `config.mixed_precision` resolves to another
+    one, which is refused.
     The ParallelModule keeps a reference to `model`: its eval mode re-traces the model's structure (see
     autopar.runtime.evaluate), so real weights of a model not on the meta device stay alive with it.
     """
@@ -244,6 +251,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     from autopar.runtime.evaluate import Evaluator
 
     config = config or Config()
+    if plan is not None and config.mixed_precision is None and plan.mixed_precision is not None:
+        config = config.with_(mixed_precision=plan.mixed_precision)  # a config that leaves it open runs the plan's
     world, rank = _world()
     _check_mesh(mesh, world)
     ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None)
