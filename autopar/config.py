@@ -58,3 +58,10 @@ class Config:
 
     def with_(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+    def with_plan_precision(self, plan: Any) -> "Config":
+        """This config, its mixed_precision taken from `plan` (None or a Plan) when left open (None)."""
+        recorded = getattr(plan, "mixed_precision", None)
+        if self.mixed_precision is None and recorded is not None:
+            return self.with_(mixed_precision=recorded)
+        return self

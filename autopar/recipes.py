@@ -319,8 +319,7 @@ def compare(model: Any, mesh: Any, example_inputs: Sequence[Any], *, loss_fn: Ca
     from autopar.config import Config
 
     config = config or Config()
-    if plan is not None and config.mixed_precision is None and plan.mixed_precision is not None:
-        config = config.with_(mixed_precision=plan.mixed_precision)  # recipes priced in the plan's precision
+    config = config.with_plan_precision(plan)  # recipes priced in the plan's precision
     if plan is None:
         _say(progress, "planning with the solver")
         # The caller's progress display is live; a second one inside autopar.plan would clash with it.

@@ -8,6 +8,7 @@ division, so any backend (gloo has no AVG everywhere) computes the same.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import torch
@@ -169,13 +170,6 @@ def _by_size(items: Sequence[tuple], bucket_bytes: int, first_bytes: int | None 
     return groups
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: int, rank: RankSpec,
                         bucket_bytes: int, first_bytes: int | None = None) -> dict[str, fx.Node]:
     """Sum-all-reduce many tensors over one axis with few collectives: flatten and concatenate up to
@@ -189,7 +183,7 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: 
         offset = 0
         for fqn, x in bucket:
             shape = list(local_val_shape(x))
-            n = _numel(shape)
+            n = math.prod(shape)
             part = b.call(aten.slice.Tensor, (y, 0, offset, offset + n), phase="bwd")
             out[fqn] = b.call(aten.view.default, (part, shape), phase="bwd")
             offset += n
@@ -219,7 +213,7 @@ def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]
         for fqn, x, dim in bucket:
             shape = list(local_val_shape(x))
             shape[dim] //= n
-            size = _numel(shape)
+            size = math.prod(shape)
             part = b.call(aten.slice.Tensor, (y, 0, offset, offset + size), phase="bwd")
             out[fqn] = b.call(aten.view.default, (part, shape), phase="bwd")
             offset += size
@@ -229,7 +223,7 @@ def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]
 @dataclasses.dataclass
 class GatherBucket:
     """Parameters all-gathered together over one mesh axis: members are (global param node, gathered dim),
-    keys the (param, layout, phase) lookups each member serves; `issued` is the collective once emitted."""
+    keys the (param, layout) lookups each member serves; `issued` is the collective once emitted."""
 
     axis: int
     phase: str
@@ -259,7 +253,7 @@ def emit_bucket_wait(b: Builder, bucket: GatherBucket, shards: Sequence[fx.Node]
     out, offset = [], 0
     for x, (_, dim) in zip(shards, bucket.members):
         shape = list(local_val_shape(x))
-        size = _numel(shape)
+        size = math.prod(shape)
         part = b.call(aten.slice.Tensor, (y, 1, offset, offset + size), phase=phase)
         offset += size
         if dim == 0:

@@ -22,7 +22,9 @@ from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
-BUCKET_BYTES = 25 * 2**20  # as DDP's default buckets: the first 1 MiB (it starts while backward runs), then 25 MiB
+# Gradient buckets as DDP's defaults: the first holds 1 MiB (so a reduction starts early in backward), the
+# others 25 MiB.
+BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
 
@@ -222,16 +224,17 @@ class _Lowering:
         bucket = self.buckets[idx]
         if bucket.done:
             return
-        if bucket.issued is None:
-            bucket.issued = emit_bucket_issue(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
+        self._issue_bucket(bucket)
         values = emit_bucket_wait(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
         for key, v in zip(bucket.keys, values):
             self.gathered[key] = v
         bucket.done = True
-        nxt = idx + 1
-        if nxt < len(self.buckets) and self.buckets[nxt].phase == bucket.phase and self.buckets[nxt].issued is None:
-            nb = self.buckets[nxt]
-            nb.issued = emit_bucket_issue(self.b, nb, [self.env[p] for p, _ in nb.members], self.rank)
+        if idx + 1 < len(self.buckets) and self.buckets[idx + 1].phase == bucket.phase:
+            self._issue_bucket(self.buckets[idx + 1])
+
+    def _issue_bucket(self, bucket: GatherBucket) -> None:
+        if bucket.issued is None:
+            bucket.issued = emit_bucket_issue(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
 
     def _redistribute(self, new: fx.Node, src: Layout, dst: Layout, phase: str, what: str) -> fx.Node:
         if src == dst:

@@ -251,8 +251,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     from autopar.runtime.evaluate import Evaluator
 
     config = config or Config()
-    if plan is not None and config.mixed_precision is None and plan.mixed_precision is not None:
-        config = config.with_(mixed_precision=plan.mixed_precision)  # a config that leaves it open runs the plan's
+    config = config.with_plan_precision(plan)  # a config that leaves it open runs the plan's
     world, rank = _world()
     _check_mesh(mesh, world)
     ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None)
