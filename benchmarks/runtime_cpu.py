@@ -1,6 +1,6 @@
 """Measured step time of autopar's generated programs against torch's own engines, 4 gloo CPU processes.
 
-Usage (from the repo root): python benchmarks/runtime_cpu.py [--steps 20] [--warmup 3] [--batch 8] [--seq 128]
+Usage (from the repo root): python benchmarks/runtime_cpu.py [--steps 20] [--warmup 3] [--batch 8] [--seq 32] [--pairs dp,fsdp,megatron,auto]
 
 One training step = forward + backward + AdamW step, the same global batch for every engine, fp32 everywhere.
 AdamW runs the same implementation on both sides of a pair (--optimizer; default foreach, torch's default on GPU).
@@ -222,6 +222,9 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZER), default="foreach",
                     help="AdamW implementation, the same for both engines (default: foreach, torch's default on "
                          "GPU; 'loop' is torch's CPU default)")
+    ap.add_argument("--pairs", default="dp,fsdp,megatron,auto",
+                    help="comma-separated subset of dp, fsdp, megatron, auto (auto compares with the fastest torch "
+                         "engine measured, DDP when none was)")
     args = ap.parse_args()
 
     from autopar.testing.dist import close_pools, get_pool
@@ -233,14 +236,20 @@ def main() -> None:
           f"({os.cpu_count()} cores), fp32, AdamW {args.optimizer}, {args.warmup} warm-up + {args.steps} interleaved "
           "steps per pair",
           flush=True)
+    pairs = set(args.pairs.split(","))
+    unknown = pairs - {"dp", "fsdp", "megatron", "auto"}
+    if unknown:
+        ap.error(f"unknown pairs {sorted(unknown)}; choose from dp, fsdp, megatron, auto")
     rows = []
-    for name, a, b in (("DP", "autopar:ddp:4", "ddp"), ("FSDP", "autopar:fsdp:4", "fsdp2"),
-                       ("Megatron TP", "autopar:megatron:4", "tp")):
+    for key, name, a, b in (("dp", "DP", "autopar:ddp:4", "ddp"), ("fsdp", "FSDP", "autopar:fsdp:4", "fsdp2"),
+                            ("megatron", "Megatron TP", "autopar:megatron:4", "tp")):
+        if key not in pairs:
+            continue
         r = pool.run(bench_pair, a, b, **kw)[0]
         rows.append(summarize(name, a, b, r))
         print(f"  done {name}: {rows[-1]['a_ms']:.1f} ms vs {rows[-1]['b_ms']:.1f} ms", flush=True)
-    fastest = min(rows, key=lambda r: r["b_ms"])["torch"]
-    for name, a in (("auto (4,) dp", "autopar:auto:4"), ("auto (2,2) dp,tp", "autopar:auto:2x2")):
+    fastest = min(rows, key=lambda r: r["b_ms"])["torch"] if rows else "ddp"
+    for name, a in (("auto (4,) dp", "autopar:auto:4"), ("auto (2,2) dp,tp", "autopar:auto:2x2")) * ("auto" in pairs):
         r = pool.run(bench_pair, a, fastest, **kw)[0]
         rows.append(summarize(name, a, fastest, r))
         print(f"  done {name}: {rows[-1]['a_ms']:.1f} ms vs {rows[-1]['b_ms']:.1f} ms", flush=True)

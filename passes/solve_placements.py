@@ -27,15 +27,23 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
             if key in ctx.memory_cost:
                 memory[root][i] += ctx.memory_cost[key][j]
     edges = []
+    # Gradient reductions overlap the rest of the backward: codegen issues each bucket as soon as its gradients
+    # exist, so what is left when the backward ends is about the last layer's bucket. A model of L repeated
+    # layers prices them at 1/(L+1) of their time (in full without repeated layers). Parameter gathers stay
+    # priced in full: they are prefetched one layer ahead only, and they share each axis's link with the
+    # blocking activation collectives.
+    layers = sum(b.count for b in ctx.captured.blocks)
+    exposed = 1.0 / (layers + 1)
     for e, c in zip(ctx.edges, ctx.edge_cost):
+        cost = [[exposed * v for v in row] for row in c.cost] if e.kind == "grad" else c.cost
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
         if e.kind == "loss":
-            edges.append(IlpEdge(src, None, src_index, None, c.cost))
+            edges.append(IlpEdge(src, None, src_index, None, cost))
             continue
         dst, dmap = _root(ctx, e.dst)
         dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
-        edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost))
+        edges.append(IlpEdge(src, dst, src_index, dst_index, cost))
     sc = ctx.config.solver
     limit = ctx.config.solver_time_limit_s if ctx.config.solver_time_limit_s is not None else sc.time_limit_s
     return IlpProblem(n_strategies=n, compute=compute, memory=memory, edges=edges, memory_limit=memory_limit,

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar.capture import capture
 from autopar.codegen import CodegenError, RankSpec, collectives, generate
+from autopar.codegen.collectives import collective_kind
 from autopar.redistribute import plan_steps
 from autopar.codegen.collectives import checked_steps, collective_kind, steps_valid
 from autopar.config import Config, SolverConfig
@@ -83,6 +84,39 @@ def test_data_parallel_reduces_gradients_in_buckets():
     # fc1's bias, then fc1's weight).
     assert bwd == [("all_reduce", "dp")] * 3, prog.code()
 
+
+
+def test_collectives_issue_early_and_wait_late_in_program_order():
+    """The labels' gather of a data-parallel Llama (for the global count of scored tokens) is issued before any
+    layer computes and waited on only where the loss needs it; a multi-tensor gradient bucket is reduced in
+    place; no-op nodes are gone; every rank issues its collectives in one order."""
+    with torch.device("meta"):
+        model = Llama(LLAMA_SMALL)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    mesh = autopar.fake_mesh(4, "dp", device_type="cpu")
+    plan, cap, _ = program(model, (tokens,), cross_entropy_loss, mesh, RankSpec.fake(("dp",), (4,), (0,)),
+                           pins={"*": (R,)}, input_placements={0: (Shard(0),)})
+    programs = [generate(plan, cap, RankSpec.fake(("dp",), (4,), (r,))) for r in range(4)]
+    prog = programs[1]
+    fwd = list(prog.forward.graph.nodes)
+    gather = next(n for n in fwd if collective_kind(n) == "all_gather")
+    wait = next(iter(gather.users))
+    mms = [i for i, n in enumerate(fwd) if n.target is torch.ops.aten.mm.default]
+    assert fwd.index(gather) < mms[0] and fwd.index(wait) > mms[-1], prog.code()
+    bwd = list(prog.backward.graph.nodes)
+    reductions = [n for n in bwd if collective_kind(n) == "all_reduce"]
+    assert len(reductions) >= 2 and any(n.target.overloadpacket.__name__ == "all_reduce_" for n in reductions)
+    for n in reductions:
+        if n.target.overloadpacket.__name__ == "all_reduce_":
+            assert n.args[0].target is torch.ops.aten.cat.default  # a buffer of the program's own
+    for gm in (prog.forward, prog.backward):
+        assert not any(n.target is torch.ops.aten.detach.default for n in gm.graph.nodes)
+        for n in gm.graph.nodes:
+            if n.target is torch.ops.aten.t.default:
+                assert n.args[0].target is not torch.ops.aten.t.default
+    orders = {tuple(collectives(g, RankSpec.fake(("dp",), (4,), (0,)))) for p in programs
+              for g in (p.forward, p.backward)}
+    assert len(orders) == 2
 
 def _feeds(node, gm):
     """Collectives among the ancestors of `node`, in program order."""

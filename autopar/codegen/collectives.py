@@ -27,7 +27,8 @@ def _c10d():
     return compat.c10d_functional_ops()
 
 
-COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single")
+COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "all_reduce_", "reduce_scatter_tensor",
+                  "all_to_all_single")
 
 
 def collective_kind(node: fx.Node) -> str | None:
@@ -37,7 +38,7 @@ def collective_kind(node: fx.Node) -> str | None:
     ns, op = compat.op_namespace_and_name(node.target)
     if ns != "_c10d_functional":
         return None
-    return {"all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce",
+    return {"all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}.get(op)
 
 
@@ -178,8 +179,16 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: 
     out: dict[str, fx.Node] = {}
     for bucket in _by_size(items, bucket_bytes, first_bytes):
         flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
-        cat = flat[0] if len(flat) == 1 else b.call(aten.cat.default, (flat,), phase="bwd")
-        y = emit_step(b, cat, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
+        if len(flat) == 1:
+            y = emit_step(b, flat[0], Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
+        else:
+            # The concatenated buffer belongs to this program alone: reduce it in place (the out-of-place
+            # all_reduce would first copy it).
+            cat = b.call(aten.cat.default, (flat,), phase="bwd")
+            tag = f"grad_bucket_{rank.axis_names[axis]}"
+            y = b.call(_c10d().all_reduce_.default, (cat, "sum", rank.group_names[axis]), phase="bwd",
+                       name=f"all_reduce_{tag}")
+            y = b.call(_c10d().wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
         offset = 0
         for fqn, x in bucket:
             shape = list(local_val_shape(x))
