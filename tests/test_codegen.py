@@ -118,6 +118,7 @@ def test_collectives_issue_early_and_wait_late_in_program_order():
               for g in (p.forward, p.backward)}
     assert len(orders) == 2
 
+
 def _feeds(node, gm):
     """Collectives among the ancestors of `node`, in program order."""
     seen, stack = set(), [node]

@@ -85,6 +85,30 @@ def test_fsdp_casts_each_shard_then_gathers_bf16():
     assert plan.estimated_step_time < plan32.estimated_step_time
 
 
+
+def test_bf16_fsdp_gathers_one_bucket_per_layer_and_dtype():
+    """Casts of a layer's weights gather in one bf16 collective, its fp32 norm weights in one more: one bucket
+    per layer more than the fp32 program, and one more for the final norm (fp32) beside the head (bf16)."""
+    from autopar.codegen import collectives
+    from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
+
+    with torch.device("meta"):
+        model = Llama(LLAMA_TINY)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    gathers = {}
+    for mp in ("bf16", "fp32"):
+        config = Config(solver=QUIET, device="h100", mixed_precision=mp, pins={"*": (Shard(0),)},
+                        input_placements={0: (Shard(0),)})
+        plan = autopar.plan(model, autopar.fake_mesh(4, "dp"), (tokens,), loss_fn=cross_entropy_loss, config=config)
+        prog = generate(plan, plan.context.captured, RankSpec.fake(("dp",), (4,), (1,)))
+        gathers[mp] = [k for k, _ in collectives(prog.forward) if k == "all_gather"]
+        cats = [n for n in prog.forward.graph.nodes if n.target is torch.ops.aten.cat.default
+                and any("all_gather" in str(u.target) for u in n.users)]
+        assert cats and all(c.meta["val"].dtype == (torch.bfloat16 if mp == "bf16" else torch.float32)
+                            or c.meta["val"].numel() < 4096 for c in cats), prog.code()
+    layers = LLAMA_TINY.n_layers
+    assert len(gathers["bf16"]) == len(gathers["fp32"]) + layers + 1, gathers
+
 def test_plan_of_another_precision_is_refused():
     from autopar.api import make_context
     from autopar.passes import annotate_shapes_pass

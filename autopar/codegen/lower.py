@@ -115,7 +115,8 @@ class _Lowering:
         self._plan_gather_buckets(nodes)
         for node in nodes:
             if node.op == "call_function":
-                self.env[node] = self._call(node)
+                if node not in self.env:  # a parameter cast may have been emitted early, for its bucket
+                    self.env[node] = self._call(node)
             elif node.op == "get_attr":
                 self.env[node] = self.b.constant(node.target, getattr(cap.gm, node.target))
             elif node.op == "output":
@@ -143,9 +144,9 @@ class _Lowering:
         if base is None:
             return self._redistribute(new, self.layout_of(a), dst, phase,
                                       f"the input {self.cap.names.get(a, a.name)} of {consumer}")
-        # A parameter, or a transpose of one: redistribute the parameter itself (gathered on its own dim,
-        # in its block's bucket) and transpose the result. Parameter-only values are recomputed in backward
-        # rather than saved, so one gathered copy serves forward and backward uses alike.
+        # A parameter (or its cast), or a transpose of one: redistribute the parameter itself (gathered on its
+        # own dim, in its block's bucket) and transpose the result. Parameter-only values are recomputed in
+        # backward rather than saved, so one gathered copy serves forward and backward uses alike.
         key = (new, dst)
         if key not in self.param_cache:
             p, odd = base
@@ -154,7 +155,7 @@ class _Lowering:
                 if (p, pdst) in self.bucket_of:
                     self._gather_bucket(self.bucket_of[(p, pdst)])
                 else:
-                    self.gathered[(p, pdst)] = self._redistribute(self.env[p], self.layout_of(p), pdst, phase,
+                    self.gathered[(p, pdst)] = self._redistribute(self._value(p), self.layout_of(p), pdst, phase,
                                                                   f"the parameter {self.cap.names[p]}")
             v = self.gathered[(p, pdst)]
             self.param_cache[key] = self.b.call(torch.ops.aten.t.default, (v,), phase=phase) if odd else v
@@ -162,11 +163,11 @@ class _Lowering:
 
     # --- parameter gathers in buckets ------------------------------------------------------------------
     def _param_view(self, a: fx.Node) -> tuple[fx.Node, bool] | None:
-        """(param, odd) when `a` is a parameter or a chain of 2-D transposes of one (odd: an odd number of
-        them), each reading its input as laid out."""
+        """(base, odd) when `a` is a parameter, a dtype cast of one made in its own layout (mixed precision),
+        or a chain of 2-D transposes of either (odd: an odd number of them), each reading its input as laid
+        out; `base` is the parameter or the cast."""
         odd = False
-        params = self.cap.params.values()
-        while a not in params:
+        while not self._param_base(a):
             if a.op != "call_function" or a.target is not torch.ops.aten.t.default or a.meta["val"].dim() != 2:
                 return None
             inner = a.args[0]
@@ -176,9 +177,30 @@ class _Lowering:
             a, odd = inner, not odd
         return a, odd
 
+    def _param_base(self, a: fx.Node) -> bool:
+        if a in self.cap.params.values():
+            return True
+        if a.op != "call_function" or a.target is not torch.ops.aten._to_copy.default or len(a.args) != 1:
+            return False
+        p = a.args[0]
+        return (p in self.cap.params.values() and set(a.kwargs) <= {"dtype"}
+                and tuple(self.node_plan(a).ins[0] or ()) == self.layout_of(p) == self.layout_of(a))
+
+    def _param_of(self, base: fx.Node) -> fx.Node:
+        return base if base in self.cap.params.values() else base.args[0]
+
+    def _value(self, base: fx.Node) -> fx.Node:
+        """The local value of a parameter or of its cast, lowering the cast now if the program has not yet
+        (a bucket gathers it before the op that first reads it)."""
+        if base not in self.env:
+            self.env[base] = self._call(base)
+        return self.env[base]
+
     def _plan_gather_buckets(self, nodes: list[fx.Node]) -> None:
         """Group the parameter all-gathers the program will need, in order of first use, into one collective
-        per block (consecutive parameters of the same layer, mesh axis and dtype), as FSDP does."""
+        per layer, mesh axis and dtype, as FSDP does per wrapped module (under mixed precision a layer's norm
+        weights stay fp32 and gather in a bucket of their own). Parameters outside the model's layers
+        bucket only with the ones used right after them, so a head's weight is not gathered at the start."""
         seen: set[tuple] = set()
         runs: list[tuple[tuple, list[tuple], str]] = []  # (block, axis, dtype), members, phase of first use
         for node in nodes:
@@ -197,9 +219,12 @@ class _Lowering:
                 if (p, dst) in seen or len(steps) != 1 or steps[0].kind != "all_gather":
                     continue
                 seen.add((p, dst))
-                group = (self._block_of(p), steps[0].axis, p.meta["val"].dtype)
-                if runs and runs[-1][0] == group:
-                    runs[-1][1].append(((p, dst), steps[0].dim))
+                group = (self._block_of(self._param_of(p)), steps[0].axis, p.meta["val"].dtype)
+                run = next((r for r in runs if r[0] == group), None) if group[0] else None
+                if run is None and runs and runs[-1][0] == group:
+                    run = runs[-1]
+                if run is not None:
+                    run[1].append(((p, dst), steps[0].dim))
                 else:
                     runs.append((group, [((p, dst), steps[0].dim)], self.cap.phase[node]))
         for group, members, phase in runs:
@@ -225,7 +250,7 @@ class _Lowering:
         if bucket.done:
             return
         self._issue_bucket(bucket)
-        values = emit_bucket_wait(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
+        values = emit_bucket_wait(self.b, bucket, [self._value(p) for p, _ in bucket.members], self.rank)
         for key, v in zip(bucket.keys, values):
             self.gathered[key] = v
         bucket.done = True
@@ -234,7 +259,7 @@ class _Lowering:
 
     def _issue_bucket(self, bucket: GatherBucket) -> None:
         if bucket.issued is None:
-            bucket.issued = emit_bucket_issue(self.b, bucket, [self.env[p] for p, _ in bucket.members], self.rank)
+            bucket.issued = emit_bucket_issue(self.b, bucket, [self._value(p) for p, _ in bucket.members], self.rank)
 
     def _redistribute(self, new: fx.Node, src: Layout, dst: Layout, phase: str, what: str) -> fx.Node:
         if src == dst:
