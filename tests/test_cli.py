@@ -119,3 +119,10 @@ def test_console_script_errors_without_traceback():
     r = subprocess.run(cmd + ["plan", "gpt5", "--mesh", "4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("autopar: error: unknown model 'gpt5'") and "Traceback" not in r.stderr
+
+
+def test_plan_precision_flag(tmp_path):
+    path = str(tmp_path / "bf16.json")
+    assert main(["plan", *TINY, "--precision", "bf16", "-o", path, "--summary"]) == 0
+    assert Plan.load(path).mixed_precision == "bf16"
+    assert main(["plan", *TINY, "--precision", "fp8"]) != 0
