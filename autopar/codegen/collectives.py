@@ -171,24 +171,27 @@ def _by_size(items: Sequence[tuple], bucket_bytes: int, first_bytes: int | None 
     return groups
 
 
-def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axis: int, rank: RankSpec,
+def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axes: Sequence[int], rank: RankSpec,
                         bucket_bytes: int, first_bytes: int | None = None) -> dict[str, fx.Node]:
-    """Sum-all-reduce many tensors over one axis with few collectives: flatten and concatenate up to
-    `bucket_bytes` per bucket (`first_bytes` for the first, so the first reduction starts early), reduce
-    once, and slice the results back into shape."""
+    """Sum-all-reduce many tensors over one or more mesh axes (one after the other) with few collectives:
+    flatten and concatenate up to `bucket_bytes` per bucket (`first_bytes` for the first, so the first
+    reduction starts early), reduce once per axis, and slice the results back into shape."""
     out: dict[str, fx.Node] = {}
     for bucket in _by_size(items, bucket_bytes, first_bytes):
         flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
         if len(flat) == 1:
-            y = emit_step(b, flat[0], Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
+            y = flat[0]
+            for axis in axes:
+                y = emit_step(b, y, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
         else:
             # The concatenated buffer belongs to this program alone: reduce it in place (the out-of-place
             # all_reduce would first copy it).
-            cat = b.call(aten.cat.default, (flat,), phase="bwd")
-            tag = f"grad_bucket_{rank.axis_names[axis]}"
-            y = b.call(_c10d().all_reduce_.default, (cat, "sum", rank.group_names[axis]), phase="bwd",
-                       name=f"all_reduce_{tag}")
-            y = b.call(_c10d().wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
+            y = b.call(aten.cat.default, (flat,), phase="bwd")
+            for axis in axes:
+                tag = f"grad_bucket_{rank.axis_names[axis]}"
+                y = b.call(_c10d().all_reduce_.default, (y, "sum", rank.group_names[axis]), phase="bwd",
+                           name=f"all_reduce_{tag}")
+                y = b.call(_c10d().wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
         offset = 0
         for fqn, x in bucket:
             shape = list(local_val_shape(x))

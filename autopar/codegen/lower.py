@@ -338,10 +338,12 @@ class _Lowering:
                 grads[fqn] = None
                 continue
             steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
-            if len(steps) == 1 and steps[0].kind in ("all_reduce", "reduce_scatter") and steps[0].op == "sum":
-                # Data-parallel (all-reduce) and FSDP (reduce-scatter) gradients go in buckets, as DDP and
-                # FSDP do, not one collective each.
-                key = (steps[0].kind, steps[0].axis, self.env[g].meta["val"].dtype)
+            sums = all(st.kind == "all_reduce" and st.op == "sum" for st in steps)
+            if steps and (sums or len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum"):
+                # Data-parallel (all-reduce, over one axis or several in turn) and FSDP (reduce-scatter)
+                # gradients go in buckets, as DDP and FSDP do, not one collective each.
+                axes = tuple(st.axis for st in steps) if sums else steps[0].axis
+                key = (steps[0].kind, axes, self.env[g].meta["val"].dtype)
                 buckets.setdefault(key, []).append((fqn, self.env[g], steps[0].dim))
             else:
                 grads[fqn] = self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}")
