@@ -69,19 +69,13 @@ def simplify(graph: fx.Graph) -> int:
         src = _same_value(node)
         if src is None:
             continue
-        if node.target is aten.t.default or node.target is aten.transpose.int:
-            # t(t(x)) -> x; the inner transpose goes too once nothing else reads it.
-            inner = node.args[0]
-            node.replace_all_uses_with(src)
-            graph.erase_node(node)
-            removed += 1
-            if not inner.users:
-                graph.erase_node(inner)
-                removed += 1
-            continue
+        inner = node.args[0]
         node.replace_all_uses_with(src)
         graph.erase_node(node)
         removed += 1
+        if inner is not src and not inner.users:  # t(t(x)): the inner transpose, now read by nothing
+            graph.erase_node(inner)
+            removed += 1
     return removed
 
 
