@@ -86,10 +86,9 @@ def test_data_parallel_reduces_gradients_in_buckets():
 
 
 
-def test_collectives_issue_early_and_wait_late_in_program_order():
-    """The labels' gather of a data-parallel Llama (for the global count of scored tokens) is issued before any
-    layer computes and waited on only where the loss needs it; a multi-tensor gradient bucket is reduced in
-    place; no-op nodes are gone; every rank issues its collectives in one order."""
+def test_buckets_reduce_in_place_and_no_op_nodes_are_gone():
+    """A multi-tensor gradient bucket of a data-parallel Llama is reduced in place; no-op nodes are gone; every
+    rank issues its collectives in one order."""
     with torch.device("meta"):
         model = Llama(LLAMA_SMALL)
     tokens = torch.zeros(8, 16, dtype=torch.long)
@@ -98,11 +97,6 @@ def test_collectives_issue_early_and_wait_late_in_program_order():
                            pins={"*": (R,)}, input_placements={0: (Shard(0),)})
     programs = [generate(plan, cap, RankSpec.fake(("dp",), (4,), (r,))) for r in range(4)]
     prog = programs[1]
-    fwd = list(prog.forward.graph.nodes)
-    gather = next(n for n in fwd if collective_kind(n) == "all_gather")
-    wait = next(iter(gather.users))
-    mms = [i for i, n in enumerate(fwd) if n.target is torch.ops.aten.mm.default]
-    assert fwd.index(gather) < mms[0] and fwd.index(wait) > mms[-1], prog.code()
     bwd = list(prog.backward.graph.nodes)
     reductions = [n for n in bwd if collective_kind(n) == "all_reduce"]
     assert len(reductions) >= 2 and any(n.target.overloadpacket.__name__ == "all_reduce_" for n in reductions)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
-from autopar.codegen.schedule import overlap_collectives, simplify
+from autopar.codegen.schedule import simplify
 
 
 @dataclasses.dataclass
@@ -88,10 +88,8 @@ def split(joint: LocalJoint) -> LocalProgram:
 
     fwd = _forward_graph(joint, loss, saved)
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
-    param_names = [p.name for p in params]
     for gm in (fwd, bwd):
         simplify(gm.graph)
-        overlap_collectives(gm.graph, param_names)
         gm.graph.lint()
         gm.recompile()
     return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
