@@ -50,6 +50,13 @@ class MLP(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
 
 
+class SeqMLP(nn.Sequential):
+    """An nn.Sequential (parameters named "0.weight", ...) called with (x, y) like MLP."""
+
+    def forward(self, x, y):
+        return super().forward(x)
+
+
 class ScaledMLP(MLP):
     """Multiplies by a tensor built inside forward: the graph holds it as a constant."""
 
@@ -110,6 +117,9 @@ def build(name: str):
         return MLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
     if name == "dropout":
         return DropoutMLP(), (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
+    if name == "seq":  # an nn.Sequential: parameters named "0.weight", ...
+        model = SeqMLP(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 16))
+        return model, (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)), mse
     if name.startswith("llama:"):  # llama:<layers>:<heads>:<seq>:<batch>
         import dataclasses
 
@@ -150,6 +160,8 @@ def _pins(name: str, names: tuple[str, ...], kind: str) -> dict:
                 ("*.w2.weight", "*.wo.weight"))
     if name in ("mlp", "dropout"):
         col, row = ("fc1.weight", "fc1.bias"), ("fc2.weight",)
+    if name == "seq":
+        col, row = ("0.weight", "0.bias"), ("2.weight",)
     dp = {"dp": Shard(0)} if kind == "fsdp_tp" else {}
     pins = {p: lay(tp=Shard(0), **dp) for p in col}
     pins.update({p: lay(tp=Shard(1), **dp) for p in row})
@@ -250,7 +262,7 @@ def check_against_reference(name: str, results: list[dict]) -> None:
         _close(got["weights"][k], ref["weights"][k], f"{k} after {STEPS} AdamW steps")
 
 
-MESHES = {"dp4": ((4,), ("dp",)), "tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
+MESHES = {"dp2": ((2,), ("dp",)), "dp4": ((4,), ("dp",)), "tp2": ((2,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp"))}
 CASES = [
     ("mlp", "dp4", "solver"), ("mlp", "dp4", "dp"), ("mlp", "dp4", "fsdp"),
     ("mlp", "tp2", "solver"), ("mlp", "tp2", "megatron"),
@@ -280,6 +292,35 @@ def test_matches_single_device(name, mesh, kind):
             assert lay == want, (fqn, lay, want)
     results = pool.run(train_parallel, name, shape, names, plan)
     check_against_reference(name, results)
+
+
+def train_compiled(name, shape, names, plan: str) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model, inputs, loss_fn = build(name)
+    pm = autopar.parallelize(model, _mesh(shape, names), inputs, loss_fn=loss_fn, plan=Plan.from_json(plan),
+                             compile=True)
+    res = _train(pm, inputs, loss_fn, distributed=True)
+    res["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    res["in_place"] = [n.name for g in (pm.program.forward, pm.program.backward) for n in g.graph.nodes
+                       if str(n.target).endswith("all_reduce_.default")]
+    return res if torch.distributed.get_rank() == 0 else {k: res[k] for k in ("losses", "compiled_graphs")}
+
+
+@pytest.mark.parametrize("mesh,kind", [("dp2", "dp"), ("dp2", "fsdp"), ("tp2", "megatron")])
+def test_compiled_program_matches_single_device(mesh, kind):
+    """The generated graphs, in functional form, compile with torch.compile (inductor) and train like one
+    device: all-reduce (in place in the eager program's gradient bucket), all-gather and reduce-scatter."""
+    shape, names = MESHES[mesh]
+    pool = get_pool(math.prod(shape))
+    plan = plan_json("seq", shape, names, kind)
+    results = pool.run(train_compiled, "seq", shape, names, plan)
+    assert all(r["compiled_graphs"] == 2 for r in results), [r["compiled_graphs"] for r in results]
+    if kind == "dp":
+        assert results[0]["in_place"]  # the eager program reduces its bucket in place; the compiled one cannot
+    check_against_reference("seq", results)
 
 
 def test_tied_weights_stay_one_parameter():

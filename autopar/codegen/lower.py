@@ -129,6 +129,8 @@ class _Lowering:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
         prefix = self.cap.names[node].split("/", 1)[0]
         name = f"{prefix}_{name}" if prefix in ("input", "tangent") else name
+        if not name.isidentifier():  # "0.weight" of an nn.Sequential
+            name = f"{prefix}_{name}"
         val = node.meta["val"]
         shape = local_shape(tuple(val.shape), self.layout_of(node), self.rank.axis_sizes)
         new = self.b.placeholder(name, shape, val.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
-from autopar.codegen.schedule import simplify
+from autopar.codegen.schedule import functional, simplify
 
 
 @dataclasses.dataclass
@@ -29,6 +29,11 @@ class LocalProgram:
     recomputed: list[str]
     joint: LocalJoint
     takes_seed: bool = False  # forward takes the step seed of codegen/rng.py last (the program draws dropout masks)
+
+    def functional(self) -> "LocalProgram":
+        """The same program with functional graphs only (no in-place collective), the form compilers take:
+        `torch._inductor.compile_fx.compile_fx(prog.functional().backward, example_args)`."""
+        return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward))
 
     def code(self) -> str:
         """The generated per-rank program as Python text."""

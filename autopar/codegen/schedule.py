@@ -3,6 +3,10 @@
 `simplify` removes nodes that compute nothing once the graph runs outside autograd (detach, a transpose of a
 transpose, a view to the same shape, x ** 1): the graphs run eagerly, one Python-dispatched op per node, so
 every node removed is dispatch time saved.
+
+`functional` copies a generated graph with its in-place collectives (a gradient bucket the program owns is
+all-reduced in place) replaced by their out-of-place forms: compilers take functional graphs only (inductor's
+compile_fx functionalizes its input and refuses an op that returns an alias of its input).
 """
 from __future__ import annotations
 
@@ -59,4 +63,18 @@ def simplify(graph: fx.Graph) -> int:
     return removed
 
 
-__all__ = ["simplify"]
+def functional(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` computing the same values with no in-place collective."""
+    from autopar import _torch_compat as compat
+
+    c10d = compat.c10d_functional_ops()
+    out_of_place = {c10d.all_reduce_.default: c10d.all_reduce.default}
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in out_of_place:
+            node.target = out_of_place[node.target]
+    return fx.GraphModule(gm, graph)
+
+
+__all__ = ["simplify", "functional"]

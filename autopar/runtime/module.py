@@ -21,10 +21,18 @@ if TYPE_CHECKING:
 
 class _Runner:
     """Calls the generated forward and backward graphs with autocast off: the program already holds the casts
-    its plan priced (Config.mixed_precision), and a caller's autocast region must not recast it."""
+    its plan priced (Config.mixed_precision), and a caller's autocast region must not recast it.
 
-    def __init__(self, program: LocalProgram, device_type: str):
-        self._graphs = program.forward, program.backward
+    With `compile`, the graphs run compiled by torch.compile (inductor: Triton kernels on GPU, C++ on CPU),
+    each on its first call, from their functional form (LocalProgram.functional)."""
+
+    def __init__(self, program: LocalProgram, device_type: str, compile: bool = False):
+        if compile:
+            program = program.functional()
+            self._graphs = tuple(torch.compile(g, dynamic=False, fullgraph=True)
+                                 for g in (program.forward, program.backward))
+        else:
+            self._graphs = program.forward, program.backward
         self._device_type = device_type
 
     def forward(self, *args: torch.Tensor):
@@ -84,13 +92,12 @@ class ParallelModule(nn.Module):
                  buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
                  input_specs: list[tuple[tuple[int, ...], torch.dtype]], input_layouts: list[tuple],
                  input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator,
-                 rng_seed: int = 0):
+                 rng_seed: int = 0, compile: bool = False):
         super().__init__()
         self.plan = plan
         self.program = program
         self.mesh = mesh
         self._evaluator = evaluator
-        self._runner = _Runner(program, mesh.device_type)
         self._param_order = list(program.params)
         self._buffer_order = list(program.buffers)
         self._input_specs = input_specs
@@ -102,6 +109,7 @@ class ParallelModule(nn.Module):
         self.manual_seed(rng_seed)
         program.forward.to(self._device)  # constants the program holds
         program.backward.to(self._device)
+        self._runner = _Runner(program, mesh.device_type, compile)
         for fqn in self._param_order:
             p = nn.Parameter(params[fqn], requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:

@@ -232,7 +232,7 @@ def _non_persistent(model: nn.Module) -> set[str]:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *,
                 example_kwargs: dict | None = None, loss_fn: Callable | None = None, config: Config | None = None,
-                plan: Plan | None = None, seed: int | None = None) -> ParallelModule:
+                plan: Plan | None = None, seed: int | None = None, compile: bool = False) -> ParallelModule:
     """Parallelize `model` over `mesh` for training: returns a ParallelModule whose call runs this rank's
     generated program and returns the loss.
 
@@ -243,6 +243,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     `torch.initial_seed()` is, sent to every rank.
     A given plan runs in the mixed precision it records, unless `config.mixed_precision` resolves to another
     one, which is refused.
+    `compile=True` runs the training program's forward and backward graphs through torch.compile (inductor)
+    instead of eagerly: each compiles on its first call (seconds to minutes on CPU), on every rank; the
+    eval-mode programs stay eager.
     The ParallelModule keeps a reference to `model`: its eval mode re-traces the model's structure (see
     autopar.runtime.evaluate), so real weights of a model not on the meta device stay alive with it.
     """
@@ -270,7 +273,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     return ParallelModule(plan=plan, program=program, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
                           non_persistent=_non_persistent(model), input_specs=input_specs,
                           input_layouts=layouts, input_leaves=leaves, requires_grad=requires_grad,
-                          evaluator=evaluator, rng_seed=_agree_on_seed(seed, world))
+                          evaluator=evaluator, rng_seed=_agree_on_seed(seed, world), compile=compile)
 
 
 def _agree_on_seed(seed: int | None, world: int) -> int:
