@@ -1,6 +1,7 @@
 """Measured step time of autopar's generated programs against torch's own engines, 4 gloo CPU processes.
 
 Usage (from the repo root): python benchmarks/runtime_cpu.py [--steps 20] [--warmup 3] [--batch 8] [--seq 32] [--pairs dp,fsdp,megatron,auto]
+                                   [--compile]
 
 One training step = forward + backward + AdamW step, the same global batch for every engine, fp32 everywhere.
 AdamW runs the same implementation on both sides of a pair (--optimizer; default foreach, torch's default on GPU).
@@ -83,7 +84,7 @@ def _adamw(params, optimizer: str):
     return _Optimizers([torch.optim.AdamW(g, lr=1e-3, **OPTIMIZER[optimizer]) for g in groups])
 
 
-def build(kind: str, batch: int, seq: int, optimizer: str):
+def build(kind: str, batch: int, seq: int, optimizer: str, compile: bool = False):
     """(step function returning the global mean loss, description) for one engine."""
     import torch.distributed as dist
 
@@ -107,7 +108,7 @@ def build(kind: str, batch: int, seq: int, optimizer: str):
         if recipe != "auto":
             shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
             cfg = cfg.with_(**recipes.RECIPES[recipe](shapes, mesh_spec(mesh)))
-        pm = autopar.parallelize(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
+        pm = autopar.parallelize(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg, compile=compile)
         opt = _adamw(pm.parameters(), optimizer)
 
         def step():
@@ -181,12 +182,13 @@ def build(kind: str, batch: int, seq: int, optimizer: str):
     raise KeyError(kind)
 
 
-def bench_pair(a: str, b: str, batch: int, seq: int, warmup: int, steps: int, optimizer: str) -> dict:
+def bench_pair(a: str, b: str, batch: int, seq: int, warmup: int, steps: int, optimizer: str,
+               compile: bool = False) -> dict:
     """Builds a and b, warms both up, then alternates one step of each; per-step times are the slowest rank's."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    step_a, desc_a = build(a, batch, seq, optimizer)
+    step_a, desc_a = build(a, batch, seq, optimizer, compile)
     build_a = time.perf_counter() - t0
     step_b, desc_b = build(b, batch, seq, optimizer)
     losses = {a: [], b: []}
@@ -225,16 +227,20 @@ def main() -> None:
     ap.add_argument("--pairs", default="dp,fsdp,megatron,auto",
                     help="comma-separated subset of dp, fsdp, megatron, auto (auto compares with the fastest torch "
                          "engine measured, DDP when none was)")
+    ap.add_argument("--compile", action="store_true",
+                    help="run autopar's programs through torch.compile (parallelize(compile=True); compiled during "
+                         "warm-up); torch's engines stay eager")
     args = ap.parse_args()
 
     from autopar.testing.dist import close_pools, get_pool
 
     t_start = time.perf_counter()
     pool = get_pool(WORLD, threads=1)
-    kw = dict(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, optimizer=args.optimizer)
+    kw = dict(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, optimizer=args.optimizer,
+              compile=args.compile)
     print(f"model {CFG_NAME}, global batch {args.batch}x{args.seq} tokens, {WORLD} gloo CPU ranks x 1 thread "
           f"({os.cpu_count()} cores), fp32, AdamW {args.optimizer}, {args.warmup} warm-up + {args.steps} interleaved "
-          "steps per pair",
+          f"steps per pair{', autopar compiled (torch.compile), torch eager' if args.compile else ''}",
           flush=True)
     pairs = set(args.pairs.split(","))
     unknown = pairs - {"dp", "fsdp", "megatron", "auto"}

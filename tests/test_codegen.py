@@ -111,6 +111,16 @@ def test_buckets_reduce_in_place_and_no_op_nodes_are_gone():
     orders = {tuple(collectives(g, RankSpec.fake(("dp",), (4,), (0,)))) for p in programs
               for g in (p.forward, p.backward)}
     assert len(orders) == 2
+    # The labels' gather (for the global token count) reads the input through slices and views only: it is
+    # issued before any compute and waited on where the count is needed.
+    fwd = list(prog.forward.graph.nodes)
+    gather = next(n for n in fwd if collective_kind(n) == "all_gather")
+    before = fwd[:fwd.index(gather)]
+    assert {n.target for n in before if n.op == "call_function"} <= {torch.ops.aten.slice.Tensor,
+                                                                   torch.ops.aten.clone.default,
+                                                                   torch.ops.aten._unsafe_view.default}
+    wait = next(iter(gather.users))
+    assert fwd.index(wait) > fwd.index(next(n for n in fwd if n.target is torch.ops.aten.mm.default))
 
 
 def _feeds(node, gm):

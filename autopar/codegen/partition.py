@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
-from autopar.codegen.schedule import functional, simplify
+from autopar.codegen.schedule import functional, issue_input_collectives_early, simplify
 
 
 @dataclasses.dataclass
@@ -93,6 +93,7 @@ def split(joint: LocalJoint) -> LocalProgram:
 
     fwd = _forward_graph(joint, loss, saved)
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
+    issue_input_collectives_early(fwd.graph, {n.name for n in joint.inputs})
     for gm in (fwd, bwd):
         simplify(gm.graph)
         gm.graph.lint()

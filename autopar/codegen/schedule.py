@@ -63,6 +63,44 @@ def simplify(graph: fx.Graph) -> int:
     return removed
 
 
+# Data movement the input chain of a hoisted collective may consist of (never compute).
+_MOVES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
+          aten.clone.default, aten.unsqueeze.default, aten.squeeze.dims, aten.alias.default}
+
+
+def issue_input_collectives_early(graph: fx.Graph, inputs: set[str]) -> int:
+    """Move each collective that reads the program's inputs through data movement only (the labels' gather a
+    global token count needs) up to right after the placeholders, or after the last collective issued before
+    it, so it runs while the forward computes; its wait stays where it was. Collectives never pass each
+    other: every rank issues them in the order lowering emitted. Returns how many moved."""
+    from autopar.codegen.collectives import collective_kind
+
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    moved = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or collective_kind(node) is None:
+            continue
+        chain, ok, stack = [], True, list(node.all_input_nodes)
+        while stack and ok:
+            a = stack.pop()
+            if a.op == "placeholder":
+                ok = a.name in inputs
+            elif a.op == "call_function" and a.target in _MOVES and a not in chain:
+                chain.append(a)
+                stack.extend(a.all_input_nodes)
+            elif a not in chain:
+                ok = False
+        if ok:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            for a in sorted(chain, key=order.__getitem__) + [node]:
+                anchor.append(a)
+                anchor = a
+            moved += 1
+        else:
+            anchor = node
+    return moved
+
+
 def functional(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` computing the same values with no in-place collective."""
     from autopar import _torch_compat as compat
@@ -77,4 +115,4 @@ def functional(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-__all__ = ["simplify", "functional"]
+__all__ = ["simplify", "issue_input_collectives_early", "functional"]
