@@ -144,3 +144,9 @@ def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]
+
+
+def flattened_group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
+    """The process group over several axes of `mesh` flattened into one (DeviceMesh._flatten, cached by the
+    root mesh): a collective over it reduces over all those axes at once. Every rank must call it."""
+    return mesh[axes]._flatten().get_group().group_name

@@ -24,6 +24,7 @@ import autopar
 from autopar.config import Config, SolverConfig
 from autopar.models import LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.plan import Plan
+from autopar.codegen import collectives
 from autopar.testing.dist import WorkerError, get_pool
 
 R = Replicate()
@@ -236,6 +237,8 @@ def train_parallel(name, shape, names, plan: str) -> dict:
     model, inputs, loss_fn = build(name)
     pm = autopar.parallelize(model, _mesh(shape, names), inputs, loss_fn=loss_fn, plan=Plan.from_json(plan))
     res = _train(pm, inputs, loss_fn, distributed=True)
+    axis_groups = {pm.mesh.get_group(a).group_name for a in names}
+    res["bwd_groups"] = ["axis" if g in axis_groups else "other" for _, g in collectives(pm.program.backward)]
     return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"]}
 
 
@@ -266,7 +269,8 @@ MESHES = {"dp2": ((2,), ("dp",)), "dp4": ((4,), ("dp",)), "tp2": ((2,), ("tp",))
 CASES = [
     ("mlp", "dp4", "solver"), ("mlp", "dp4", "dp"), ("mlp", "dp4", "fsdp"),
     ("mlp", "tp2", "solver"), ("mlp", "tp2", "megatron"),
-    ("mlp", "dp2xtp2", "solver"), ("mlp", "dp2xtp2", "megatron"), ("mlp", "dp2xtp2", "fsdp_tp"),
+    ("mlp", "dp2xtp2", "solver"), ("mlp", "dp2xtp2", "dp"), ("mlp", "dp2xtp2", "megatron"),
+    ("mlp", "dp2xtp2", "fsdp_tp"),
     ("llama", "dp4", "solver"), ("llama", "dp4", "dp"), ("llama", "dp4", "fsdp"),
     ("llama", "tp2", "solver"), ("llama", "tp2", "megatron"),
     ("llama", "dp2xtp2", "solver"), ("llama", "dp2xtp2", "megatron"), ("llama", "dp2xtp2", "fsdp_tp"),
@@ -291,6 +295,8 @@ def test_matches_single_device(name, mesh, kind):
             want = next(v for k, v in pins.items() if fnmatch.fnmatch(fqn, k))
             assert lay == want, (fqn, lay, want)
     results = pool.run(train_parallel, name, shape, names, plan)
+    if kind == "dp" and len(shape) > 1:  # gradients partial on both axes are reduced over the flattened group
+        assert "other" in results[0]["bwd_groups"], results[0]["bwd_groups"]
     check_against_reference(name, results)
 
 

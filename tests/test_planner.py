@@ -361,11 +361,17 @@ def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     ddp = recipes.plan_recipe("ddp", model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
     assert p.estimated_step_time <= ddp.estimated_step_time * 1.001, (p.techniques, p.estimated_step_time,
                                                                         ddp.estimated_step_time)
-    # Data parallel over both axes: each gradient bucket is reduced over one axis, then the other (two
-    # collectives per bucket, not two per parameter); the 10.6 MB of gradients make two DDP-sized buckets.
+    # Data parallel over both axes: each gradient bucket is reduced once over the flattened (dp, tp) group, or
+    # where a rank has no such group, over one axis then the other (two collectives per bucket, not two per
+    # parameter); the 10.6 MB of gradients make two DDP-sized buckets.
+    import dataclasses
+
     from autopar.codegen import RankSpec, collectives, generate
 
     rank = RankSpec.fake(("dp", "tp"), (2, 2), (1, 0))
     assert all(lay == (Replicate(), Replicate()) for lay in p.param_placements().values())
     bwd = collectives(generate(p, p.context.captured, rank).backward, rank)
+    assert sorted(bwd) == [("all_reduce", "dp+tp")] * 2, bwd
+    per_axis = dataclasses.replace(rank, flat_groups=())
+    bwd = collectives(generate(p, p.context.captured, per_axis).backward, per_axis)
     assert sorted(bwd) == [("all_reduce", "dp")] * 2 + [("all_reduce", "tp")] * 2, bwd

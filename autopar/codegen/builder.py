@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Any, Sequence
 
@@ -25,6 +26,9 @@ class RankSpec:
     coords: tuple[int, ...]
     group_names: tuple[str, ...]
     device: str = "cpu"
+    # (axes, group name) of the flattened groups over several axes this rank belongs to, e.g. ((0, 1), name):
+    # data parallelism over those axes reduces a gradient bucket once over it instead of once per axis.
+    flat_groups: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     def __post_init__(self):
         n = len(self.axis_names)
@@ -40,9 +44,20 @@ class RankSpec:
              device: str = "cpu") -> "RankSpec":
         """A rank of a mesh with no process groups: group names are placeholders `autopar:<axis>`."""
         coords = tuple(coords) if coords is not None else tuple(0 for _ in axis_names)
-        return cls(tuple(axis_names), tuple(axis_sizes), coords, tuple(f"autopar:{a}" for a in axis_names), device)
+        flat = tuple((axes, "autopar:" + "+".join(axis_names[a] for a in axes))
+                     for k in range(2, len(axis_names) + 1) for axes in itertools.combinations(range(len(axis_names)), k))
+        return cls(tuple(axis_names), tuple(axis_sizes), coords, tuple(f"autopar:{a}" for a in axis_names), device,
+                   flat)
+
+    def group_of_axes(self, axes: Sequence[int]) -> str | None:
+        """The flattened group over `axes` (in mesh order), or None when this rank has none."""
+        return dict(self.flat_groups).get(tuple(axes))
 
     def axis_of_group(self, group_name: str) -> str:
+        """The axis name behind a group; "dp+tp" for a flattened group."""
+        for axes, name in self.flat_groups:
+            if name == group_name:
+                return "+".join(self.axis_names[a] for a in axes)
         return self.axis_names[self.group_names.index(group_name)]
 
 

@@ -175,23 +175,25 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axes: 
                         bucket_bytes: int, first_bytes: int | None = None) -> dict[str, fx.Node]:
     """Sum-all-reduce many tensors over one or more mesh axes (one after the other) with few collectives:
     flatten and concatenate up to `bucket_bytes` per bucket (`first_bytes` for the first, so the first
-    reduction starts early), reduce once per axis, and slice the results back into shape."""
+    reduction starts early), reduce once over the axes' flattened group (RankSpec.flat_groups) or else once per
+    axis, and slice the results back into shape."""
     out: dict[str, fx.Node] = {}
+    # Over several axes, one reduction over their flattened group when the rank has one, else one per axis.
+    flat_group = rank.group_of_axes(sorted(axes)) if len(axes) > 1 else None
+    groups = ([(flat_group, "_".join(rank.axis_names[a] for a in sorted(axes)))] if flat_group is not None
+              else [(rank.group_names[a], rank.axis_names[a]) for a in axes])
+    c10d = _c10d()
     for bucket in _by_size(items, bucket_bytes, first_bytes):
         flat = [b.call(aten.reshape.default, (x, [-1]), phase="bwd") for _, x in bucket]
         if len(flat) == 1:
-            y = flat[0]
-            for axis in axes:
-                y = emit_step(b, y, Step("all_reduce", axis, op="sum"), rank, "bwd", hint="grad_bucket")
+            y, reduce = flat[0], c10d.all_reduce.default
         else:
             # The concatenated buffer belongs to this program alone: reduce it in place (the out-of-place
             # all_reduce would first copy it).
-            y = b.call(aten.cat.default, (flat,), phase="bwd")
-            for axis in axes:
-                tag = f"grad_bucket_{rank.axis_names[axis]}"
-                y = b.call(_c10d().all_reduce_.default, (y, "sum", rank.group_names[axis]), phase="bwd",
-                           name=f"all_reduce_{tag}")
-                y = b.call(_c10d().wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
+            y, reduce = b.call(aten.cat.default, (flat,), phase="bwd"), c10d.all_reduce_.default
+        for group, tag in groups:
+            y = b.call(reduce, (y, "sum", group), phase="bwd", name=f"all_reduce_grad_bucket_{tag}")
+            y = b.call(c10d.wait_tensor.default, (y,), phase="bwd", name=f"wait_grad_bucket_{tag}")
         offset = 0
         for fqn, x in bucket:
             shape = list(local_val_shape(x))

@@ -340,11 +340,10 @@ class _Lowering:
                 grads[fqn] = None
                 continue
             steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
-            sums = all(st.kind == "all_reduce" and st.op == "sum" for st in steps)
-            if steps and (sums or len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum"):
-                # Data-parallel (all-reduce, over one axis or several in turn) and FSDP (reduce-scatter)
-                # gradients go in buckets, as DDP and FSDP do, not one collective each.
-                axes = tuple(st.axis for st in steps) if sums else steps[0].axis
+            axes = _bucketed(steps)
+            if axes is not None:
+                # Data-parallel (all-reduce, over one axis or several) and FSDP (reduce-scatter) gradients go
+                # in buckets, as DDP and FSDP do, not one collective each.
                 key = (steps[0].kind, axes, self.env[g].meta["val"].dtype)
                 buckets.setdefault(key, []).append((fqn, self.env[g], steps[0].dim))
             else:
@@ -360,6 +359,29 @@ class _Lowering:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         self.b.output((loss, *(grads[f] for f in cap.params)))
+
+
+def _bucketed(steps) -> tuple[int, ...] | int | None:
+    """For a gradient reduced in buckets, the axes of its sum all-reduces (a tuple) or the axis of its
+    sum reduce-scatter (an int); None for any other redistribution."""
+    if steps and all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
+        return tuple(st.axis for st in steps)
+    if len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum":
+        return steps[0].axis
+    return None
+
+
+def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]]:
+    """The mesh axes (two or more, in mesh order) over which some gradient is all-reduced: the flattened
+    groups a rank needs for one reduction per bucket (RankSpec.flat_groups)."""
+    low = _Lowering(plan, cap, RankSpec.fake(plan.mesh.axis_names, plan.mesh.shape))
+    out = set()
+    for fqn, pnode in cap.params.items():
+        g = cap.grads.get(fqn)
+        axes = None if g is None else _bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
+        if isinstance(axes, tuple) and len(axes) > 1:
+            out.add(tuple(sorted(axes)))
+    return out
 
 
 def _random_dropout(node: fx.Node) -> bool:

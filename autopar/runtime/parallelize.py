@@ -2,7 +2,7 @@
 wrap it with the model's weights as a ParallelModule."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.codegen import RankSpec, generate
+from autopar.codegen.lower import multi_axis_grad_reductions
 from autopar.config import Config
 from autopar.errors import PlanMismatchError
 from autopar.layout import divides, fmt_layout
@@ -24,13 +25,17 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def rank_spec(mesh: DeviceMesh) -> RankSpec:
-    """This rank's coordinates and the process group behind each axis of a real mesh."""
+def rank_spec(mesh: DeviceMesh, flatten: Iterable[tuple[int, ...]] = ()) -> RankSpec:
+    """This rank's coordinates and the process group behind each axis of a real mesh, plus the flattened
+    groups over the axes tuples in `flatten` (created here, so every rank must pass the same ones)."""
     from autopar import _torch_compat as compat
 
     names = tuple(mesh.mesh_dim_names)
     groups = tuple(compat.group_name_of(mesh, n) for n in names)
-    return RankSpec(names, tuple(int(s) for s in mesh.mesh.shape), mesh_coords(mesh), groups, mesh.device_type)
+    flat = tuple((axes, compat.flattened_group_name(mesh, tuple(names[a] for a in axes)))
+                 for axes in sorted(set(flatten)))
+    return RankSpec(names, tuple(int(s) for s in mesh.mesh.shape), mesh_coords(mesh), groups, mesh.device_type,
+                    flat)
 
 
 def _check_mesh(mesh: DeviceMesh, world: int) -> None:
@@ -263,7 +268,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     annotate_shapes_pass(cap.gm, ctx)
     plan = _agree_on_plan(ctx, plan, world, rank)
     aliases = tied_names(model, cap)
-    program = generate(plan, cap, rank_spec(mesh))
+    program = generate(plan, cap, rank_spec(mesh, multi_axis_grad_reductions(plan, cap)))
     params, buffers = _tensors(model, cap, plan, mesh, seed, aliases)
     input_specs = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in cap.inputs]
     leaves, layouts = input_layouts(plan, cap)
