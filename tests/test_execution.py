@@ -329,6 +329,32 @@ def test_compiled_program_matches_single_device(mesh, kind):
     check_against_reference("seq", results)
 
 
+def dropout_eager_and_compiled(shape, names) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, inputs, loss_fn = build("dropout")
+    out = {}
+    for compile in (False, True):
+        pm = autopar.parallelize(model, _mesh(shape, names), inputs, loss_fn=loss_fn, config=Config(solver=QUIET),
+                                 seed=7, compile=compile)
+        losses = [pm.step(*inputs).item() for _ in range(10)]  # more steps than dynamo's recompile limit
+        out[compile] = {"losses": losses, "grads": {k: _full(p.grad) for k, p in pm.named_parameters()}}
+    return out
+
+
+def test_compiled_dropout_draws_the_eager_masks():
+    """A compiled program takes the dropout step seed as a tensor: it compiles once and draws the masks the
+    eager program draws at every step."""
+    pool = get_pool(2)
+    for r in pool.run(dropout_eager_and_compiled, (2,), ("dp",)):
+        eager, compiled = r[False], r[True]
+        _close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), "losses")
+        assert len(set(eager["losses"])) == len(eager["losses"])  # new masks every step
+        for k in eager["grads"]:
+            _close(compiled["grads"][k], eager["grads"][k], f"grad of {k}")
+
+
 def test_tied_weights_stay_one_parameter():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)

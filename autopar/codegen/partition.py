@@ -29,11 +29,14 @@ class LocalProgram:
     recomputed: list[str]
     joint: LocalJoint
     takes_seed: bool = False  # forward takes the step seed of codegen/rng.py last (the program draws dropout masks)
+    seed_as_tensor: bool = False  # ... as a 0-d int64 tensor (the functional form), else as an int
 
     def functional(self) -> "LocalProgram":
         """The same program with functional graphs only (no in-place collective), the form compilers take:
-        `torch._inductor.compile_fx.compile_fx(prog.functional().backward, example_args)`."""
-        return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward))
+        `torch._inductor.compile_fx.compile_fx(prog.functional().backward, example_args)`. Its forward takes
+        the step seed as a 0-d int64 tensor."""
+        return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward),
+                                   seed_as_tensor=self.takes_seed)
 
     def code(self) -> str:
         """The generated per-rank program as Python text."""

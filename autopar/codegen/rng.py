@@ -109,7 +109,22 @@ def _backward(ctx, grad_out, grad_mask):
 
 seeded_dropout.register_autograd(_backward, setup_context=_setup_context)
 
-SEEDED_DROPOUT = torch.ops.autopar.seeded_dropout.default
+@torch.library.custom_op("autopar::seeded_dropout_t", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def seeded_dropout_t(x: torch.Tensor, p: float, seed: torch.Tensor, key: int, shard: int) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """seeded_dropout with the step seed in a 0-d int64 tensor: the form a compiled program takes, whose
+    compiler would otherwise specialize on the seed's value and recompile every step."""
+    return seeded_dropout(x, p, int(seed), key, shard)
 
-__all__ = ["SEED_INPUT", "SEEDED_DROPOUT", "mix", "step_seed", "stream_key", "shard_index", "is_random_dropout",
+
+@seeded_dropout_t.register_fake
+def _(x, p, seed, key, shard):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(x.shape, dtype=torch.bool,
+                                                                                  device=x.device)
+
+
+SEEDED_DROPOUT = torch.ops.autopar.seeded_dropout.default
+SEEDED_DROPOUT_T = torch.ops.autopar.seeded_dropout_t.default
+
+__all__ = ["SEED_INPUT", "SEEDED_DROPOUT", "SEEDED_DROPOUT_T", "mix", "step_seed", "stream_key", "shard_index", "is_random_dropout",
            "dropout_scale", "seeded_dropout"]

@@ -6,7 +6,8 @@ every node removed is dispatch time saved.
 
 `functional` copies a generated graph with its in-place collectives (a gradient bucket the program owns is
 all-reduced in place) replaced by their out-of-place forms: compilers take functional graphs only (inductor's
-compile_fx functionalizes its input and refuses an op that returns an alias of its input).
+compile_fx functionalizes its input and refuses an op that returns an alias of its input). Its dropout takes
+the step seed as a tensor.
 """
 from __future__ import annotations
 
@@ -102,11 +103,14 @@ def issue_input_collectives_early(graph: fx.Graph, inputs: set[str]) -> int:
 
 
 def functional(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` computing the same values with no in-place collective."""
+    """A copy of `gm` computing the same values with no in-place collective, and dropout reading its step
+    seed (the `rng_seed` input) from a 0-d int64 tensor instead of an int, which a compiler would specialize
+    on and recompile for every step."""
     from autopar import _torch_compat as compat
+    from autopar.codegen import rng
 
     c10d = compat.c10d_functional_ops()
-    out_of_place = {c10d.all_reduce_.default: c10d.all_reduce.default}
+    out_of_place = {c10d.all_reduce_.default: c10d.all_reduce.default, rng.SEEDED_DROPOUT: rng.SEEDED_DROPOUT_T}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.nodes:

@@ -33,6 +33,7 @@ class _Runner:
                                  for g in (program.forward, program.backward))
         else:
             self._graphs = program.forward, program.backward
+        self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
 
     def forward(self, *args: torch.Tensor):
@@ -130,7 +131,7 @@ class ParallelModule(nn.Module):
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in self._param_order]
         buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
-        seed = self._next_seed(self.program)
+        seed = self._next_seed(self.program, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
             return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
         return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
@@ -141,12 +142,14 @@ class ParallelModule(nn.Module):
         rank with the same values; see autopar/codegen/rng.py for what the masks depend on."""
         self._rng_base, self._rng_step = int(seed), int(step)
 
-    def _next_seed(self, program: LocalProgram) -> list[int]:
-        """The step seed a program that draws dropout masks takes as its last input; one per call."""
+    def _next_seed(self, program: LocalProgram, as_tensor: bool = False) -> list:
+        """The step seed a program that draws dropout masks takes as its last input (an int, or a 0-d int64
+        tensor for a compiled program); one per call."""
         if not program.takes_seed:
             return []
         self._rng_step += 1
-        return [step_seed(self._rng_base, self._rng_step - 1)]
+        seed = step_seed(self._rng_base, self._rng_step - 1)
+        return [torch.tensor(seed, dtype=torch.int64) if as_tensor else seed]
 
     def eval_program(self, *args: Any, **kwargs: Any) -> EvalProgram:
         """The forward-only program (`.program`) and its plan (`.plan`) that eval-mode calls with inputs like
