@@ -282,3 +282,29 @@ def test_generated_code_is_python_text():
     compile(prog.backward.code, "<backward>", "exec")
     for kind, axis in collectives(prog.forward, rank) + collectives(prog.backward, rank):
         assert axis in ("dp", "tp") and kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def test_input_collectives_move_up_without_passing_collectives_or_breaking_order():
+    """A collective reading an input through views moves up to the last collective before it; chain nodes
+    already above that point stay, so their other users keep reading defined values."""
+    import torch.fx as fx
+
+    from autopar import _torch_compat as compat
+    from autopar.codegen.schedule import issue_input_collectives_early
+
+    c10d, aten = compat.c10d_functional_ops(), torch.ops.aten
+    g = fx.Graph()
+    x, w = g.placeholder("input_0"), g.placeholder("w")
+    v = g.call_function(aten.view.default, (x, [-1]))
+    u = g.call_function(aten.mul.Tensor, (v, v))
+    c1 = g.call_function(c10d.all_reduce.default, (u, "sum", "g"))  # reads compute: stays
+    w1 = g.call_function(c10d.wait_tensor.default, (c1,))
+    m = g.call_function(aten.mm.default, (w, w))
+    c2 = g.call_function(c10d.all_gather_into_tensor.default, (v, 2, "g"))
+    w2 = g.call_function(c10d.wait_tensor.default, (c2,))
+    g.output((w1, m, w2))
+    assert issue_input_collectives_early(g, {"input_0"}) == 1
+    g.lint()
+    order = list(g.nodes)
+    assert order.index(c1) < order.index(c2) < order.index(w1) < order.index(m)
+    assert order.index(v) < order.index(u)

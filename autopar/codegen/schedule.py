@@ -93,7 +93,8 @@ def issue_input_collectives_early(graph: fx.Graph, inputs: set[str]) -> int:
                 ok = False
         if ok:
             order = {n: i for i, n in enumerate(graph.nodes)}
-            for a in sorted(chain, key=order.__getitem__) + [node]:
+            # Only nodes after the anchor move (up); the chain's nodes before it are early enough already.
+            for a in sorted((a for a in chain if order[a] > order[anchor]), key=order.__getitem__) + [node]:
                 anchor.append(a)
                 anchor = a
             moved += 1
