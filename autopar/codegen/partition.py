@@ -32,8 +32,8 @@ class LocalProgram:
     seed_as_tensor: bool = False  # ... as a 0-d int64 tensor (the functional form), else as an int
 
     def functional(self) -> "LocalProgram":
-        """The same program with functional graphs only (no in-place collective), the form compilers take:
-        `torch._inductor.compile_fx.compile_fx(prog.functional().backward, example_args)`. Its forward takes
+        """The same program with functional graphs only (no in-place collective), the form compilers take
+        (`torch.compile(prog.functional().backward)`, as `parallelize(compile=True)` does). Its forward takes
         the step seed as a 0-d int64 tensor."""
         return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward),
                                    seed_as_tensor=self.takes_seed)

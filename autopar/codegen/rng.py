@@ -91,10 +91,12 @@ def seeded_dropout(x: torch.Tensor, p: float, seed: int, key: int, shard: int) -
     return x * mask * dropout_scale(p), mask
 
 
-@seeded_dropout.register_fake
-def _(x, p, seed, key, shard):
+def _fake_dropout(x, p, seed, key, shard):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(x.shape, dtype=torch.bool,
                                                                                   device=x.device)
+
+
+seeded_dropout.register_fake(_fake_dropout)
 
 
 def _setup_context(ctx, inputs, output):
@@ -117,10 +119,7 @@ def seeded_dropout_t(x: torch.Tensor, p: float, seed: torch.Tensor, key: int, sh
     return seeded_dropout(x, p, int(seed), key, shard)
 
 
-@seeded_dropout_t.register_fake
-def _(x, p, seed, key, shard):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(x.shape, dtype=torch.bool,
-                                                                                  device=x.device)
+seeded_dropout_t.register_fake(_fake_dropout)
 
 
 SEEDED_DROPOUT = torch.ops.autopar.seeded_dropout.default

@@ -81,15 +81,16 @@ def issue_input_collectives_early(graph: fx.Graph, inputs: set[str]) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or collective_kind(node) is None:
             continue
-        chain, ok, stack = [], True, list(node.all_input_nodes)
+        chain, ok, stack = set(), True, list(node.all_input_nodes)
         while stack and ok:
             a = stack.pop()
             if a.op == "placeholder":
                 ok = a.name in inputs
-            elif a.op == "call_function" and a.target in _MOVES and a not in chain:
-                chain.append(a)
-                stack.extend(a.all_input_nodes)
-            elif a not in chain:
+            elif a.op == "call_function" and a.target in _MOVES:
+                if a not in chain:
+                    chain.add(a)
+                    stack.extend(a.all_input_nodes)
+            else:
                 ok = False
         if ok:
             order = {n: i for i, n in enumerate(graph.nodes)}
