@@ -1,6 +1,7 @@
 """The one place that composes capture -> passes -> codegen -> runtime."""
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -16,10 +17,14 @@ from autopar.progress import Progress
 
 
 def make_context(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
-                 loss_fn: Callable | None, config: Config | None, *, template_layers: int | None, progress=None):
+                 loss_fn: Callable | None, config: Config | None, *, template_layers: int | None, progress=None,
+                 deadline: float | None = None):
+    """A pass context; planning must end by `deadline` (time.monotonic()), by default solver_time_limit_s from now."""
     from autopar.passes.context import PassContext
 
     config = config or Config()
+    if deadline is None and config.solver_time_limit_s is not None:
+        deadline = time.monotonic() + config.solver_time_limit_s
     spec = mesh_spec(mesh, dict(config.links) if config.links else None)
     device = config.device or ("cpu" if spec.device_type == "cpu" else "h100")
     hw = get_hardware(device)
@@ -31,7 +36,7 @@ def make_context(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
                   autocast_dtype=precision.autocast_dtype)
     return PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
-                       progress=progress)
+                       progress=progress, deadline=deadline)
 
 
 def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, example_kwargs: dict | None = None,
@@ -56,7 +61,7 @@ def plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *, e
                           "for the model's other layers, so the whole model is captured instead; pass "
                           "Config(template_layers=None) to capture it whole from the start", stacklevel=2)
             ctx = make_context(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None,
-                               progress=prog)
+                               progress=prog, deadline=ctx.deadline)
             run_passes(ctx.captured.gm, ctx, (annotate_shapes_pass,))
         run_passes(ctx.captured.gm, ctx, tuple(p for p in PASSES if p is not annotate_shapes_pass))
     p = ctx.plan

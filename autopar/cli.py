@@ -195,8 +195,9 @@ def make_config(args: argparse.Namespace, links: dict | None, device: str):
         raise CliError(f"--memory-gb must be positive, got {args.memory_gb}")
     if args.time_limit is not None and args.time_limit <= 0:
         raise CliError(f"--time-limit must be positive, got {args.time_limit}")
-    return Config(device=device, links=links, memory_limit_gb=args.memory_gb, solver_time_limit_s=args.time_limit,
-                  mixed_precision=getattr(args, "precision", None))
+    limit = {} if args.time_limit is None else {"solver_time_limit_s": args.time_limit}
+    return Config(device=device, links=links, memory_limit_gb=args.memory_gb, mixed_precision=getattr(args, "precision", None),
+                  **limit)
 
 
 def _setup(args: argparse.Namespace, base: Any = None):
@@ -334,7 +335,7 @@ def _model_args(p: argparse.ArgumentParser, *, model_option: bool = False) -> No
     p.add_argument("--inputs", help="path/to/model.py:example_inputs, a function returning a tuple of inputs")
     p.add_argument("--loss", help="path/to/file.py:loss_fn(output, *inputs) -> scalar loss")
     p.add_argument("--memory-gb", type=float, help="per-rank memory limit in GB (default: the device's)")
-    p.add_argument("--time-limit", type=float, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=float, help="planning time limit in seconds (default 300)")
     p.add_argument("--precision", choices=("bf16", "fp32"),
                    help="compute precision: bf16 (autocast, fp32 master weights) or fp32 (default: bf16 on GPU "
                         "devices, fp32 on cpu)")

@@ -7,14 +7,14 @@ from typing import Any, Mapping
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SolverConfig:
-    """Knobs of the integer program. `time_limit_s` is deterministic solver time, so plans are reproducible."""
+    """Knobs of the integer program. Its time limit is Config.solver_time_limit_s (the whole planning call)."""
 
-    time_limit_s: float = 60.0
     backend: str = "highs"  # "highs" (MIP, default) or "cp-sat" (all-boolean)
     seed: int = 0
     workers: int = 1
-    # Extra passes when the simulated peak memory exceeds the limit the ILP's linear estimate respected.
-    memory_refinements: int = 3
+    # Under a binding memory limit, stop once the plan is proven within this fraction of the optimum (the plan
+    # reports its gap and bound); 0 asks for a proof of optimality, which can take minutes on larger graphs.
+    relative_gap: float = 0.02
     show_progress: bool = True
     # Shards of a tensor's innermost dim narrower than this many elements are not considered for compute
     # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory
@@ -41,6 +41,9 @@ class Config:
                      in fp32 and hands back fp32 gradients for an fp32 optimizer step. "fp32": no casts,
                      every op in the parameters' dtype. None (default): "bf16" on GPU meshes, "fp32" on CPU
                      meshes. The plan records it and is priced under it.
+    solver_time_limit_s: wall-clock seconds for the whole planning call (capture included). When it passes,
+                     plan() returns the best plan that fits, with a warning, or raises SolverTimeout if none was
+                     found yet. None: no limit. Plans are reproducible whenever planning ends inside it.
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
@@ -51,7 +54,7 @@ class Config:
     memory_limit_gb: float | None = None
     pins: Mapping[str, tuple] | None = None
     input_placements: Mapping[int, tuple] | None = None
-    solver_time_limit_s: float | None = None
+    solver_time_limit_s: float | None = 300.0
     mixed_precision: str | None = None
     template_layers: int | None = 2
     solver: SolverConfig = SolverConfig()

@@ -32,3 +32,7 @@ class InfeasibleMemoryError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A plan does not belong to this model, mesh or inputs."""
+
+
+class SolverTimeout(AutoparError):
+    """The planning time limit passed before any plan that fits the memory limit was found."""

@@ -34,6 +34,7 @@ class PassContext:
     precision: Any
     memory_limit: int
     progress: Any = None
+    deadline: float | None = None  # time.monotonic() by which planning ends (Config.solver_time_limit_s)
     min_inner: int = 1
     # annotate_shapes
     key: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
@@ -50,7 +51,9 @@ class PassContext:
     # estimate_costs
     compute_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     edge_cost: list[Any] = dataclasses.field(default_factory=list)
+    edge_groups: list[int | None] = dataclasses.field(default_factory=list)  # shared redistributions
     memory_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    memory_profile: Any = None  # memory_profile.MemoryProfile, built on first use
     # solve_placements
     choice: dict[str, int] = dataclasses.field(default_factory=dict)
     solver_stats: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -10,10 +10,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.cost import VIEW_OPS, tensor_bytes
+from autopar.cost import tensor_bytes
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
+from autopar.passes.estimate_costs import compute_dtype, step_costs
+from autopar.passes.memory_profile import memory_profile
 from autopar.rules.base import flat_tensor_args, op_info
 
 
@@ -154,80 +155,7 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     opt_b = numel * p.optimizer_state_bytes_per_param
     master = numel * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
     static = param_b + grad_b + opt_b + master
-    peak = _activation_peak(ctx)
+    peak = memory_profile(ctx).peak(ctx.choice)[1]
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
     return mem, int(static + peak)
-
-
-def _owners(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:
-    """Per compute node, the node whose allocation holds its value: itself, or for a view (and a tuple getitem)
-    the owner of what it views, as the ILP's saved-activation estimate counts a saved view's base once; None
-    for a view of a graph input (a parameter's transpose), which holds no activation memory."""
-    owner: dict[fx.Node, fx.Node | None] = {}
-    for n in nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is operator.getitem or (getattr(n.target, "overloadpacket", None) in VIEW_OPS
-                                            and n.all_input_nodes):
-            a = n.args[0] if n.target is operator.getitem else n.all_input_nodes[0]
-            owner[n] = owner.get(a) if a.op == "call_function" else None
-        else:
-            owner[n] = n
-    return owner
-
-
-def _activation_peak(ctx: PassContext) -> float:
-    """Peak bytes of activations on one rank over the step, from the liveness of each allocation.
-
-    An allocation lives from its node to its last reader (through views of it); gradients handed to the
-    output are reduced into the persistent grad buffers at once. Values computed only from parameters (a
-    gathered or cast weight) are recomputed in backward rather than kept, as codegen's partition does: they
-    live during their forward uses and again during their backward uses. In a template capture (k of L layers
-    traced) a layer's value kept from forward into backward stands for L/k layers' copies, as its costs do;
-    values used up within the forward or within the backward are transient and count once."""
-    cap = ctx.captured
-    nodes = list(cap.gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    owner = _owners(nodes)
-    uses: dict[fx.Node, list[int]] = collections.defaultdict(list)
-    for u in nodes:
-        if u.op != "call_function":
-            continue
-        for a in u.all_input_nodes:
-            o = owner.get(a)
-            if o is not None:
-                uses[o].append(pos[u])
-    alloc = [0.0] * (len(nodes) + 1)
-    free = [0.0] * (len(nodes) + 1)
-    for o in set(owner.values()) - {None}:
-        fwd = [i for i in uses[o] if cap.phase[nodes[i]] == "fwd"]
-        bwd = [i for i in uses[o] if cap.phase[nodes[i]] == "bwd"]
-        b = _node_bytes(ctx, o)
-        if o in ctx.param_derived and cap.phase[o] == "fwd":
-            spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
-        else:
-            if cap.phase[o] == "fwd" and bwd:
-                b *= _scale(ctx, o)[1]
-            spans = [(pos[o], max(uses[o], default=pos[o]))]
-        for lo, hi in spans:
-            alloc[lo] += b
-            free[hi] += b
-    cur = peak = 0.0
-    for i in range(len(nodes)):
-        cur += alloc[i]
-        peak = max(peak, cur)
-        cur -= free[i]
-    return peak
-
-
-def _node_bytes(ctx: PassContext, n: fx.Node) -> float:
-    """Bytes of a node's outputs on one rank, in their planned layouts."""
-    strat = ctx.chosen(ctx.key[n])
-    val = n.meta.get("val")
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    total = 0.0
-    for i, v in enumerate(vals):
-        if isinstance(v, torch.Tensor) and i < len(strat.outs):
-            total += local_bytes(tuple(v.shape), compute_dtype(v.dtype, ctx), strat.outs[i], ctx.mesh.shape)
-    return total

@@ -1,14 +1,17 @@
-"""Run the integer program over the priced strategies; refine the memory bound with the step simulator."""
+"""Run the integer program over the priced strategies under the memory limit, within the planning deadline."""
 from __future__ import annotations
 
+import time
 import warnings
 
+import numpy as np
 import torch.fx as fx
 
-from autopar.errors import InfeasibleMemoryError
+from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes.context import PassContext
-from autopar.solver import IlpProblem, solve
-from autopar.solver.ilp import IlpEdge
+from autopar.passes.memory_profile import memory_profile
+from autopar.solver import IlpProblem, solve_bounded
+from autopar.solver.ilp import IlpEdge, MemoryRows, ProgramInfeasible
 from autopar.solver.prune import reduce_problem
 
 
@@ -20,21 +23,15 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
     compute = {k: list(ctx.compute_cost[k]) for k in n}
-    memory: dict[str, list[float]] = {k: list(ctx.memory_cost.get(k, [0.0] * n[k])) for k in n}
     for key, (root, idx) in ctx.follow.items():
         for i, j in enumerate(idx):
             compute[root][i] += ctx.compute_cost[key][j]
-            if key in ctx.memory_cost:
-                memory[root][i] += ctx.memory_cost[key][j]
     edges = []
     # Gradient reductions overlap the rest of the backward: codegen issues each bucket as soon as its gradients
     # exist, so what is left when the backward ends is about the last layer's bucket. A model of L repeated
-    # layers prices them at 1/(L+1) of their time (in full without repeated layers). Parameter gathers stay
-    # priced in full: they are prefetched one layer ahead only, and they share each axis's link with the
-    # blocking activation collectives.
-    layers = sum(b.count for b in ctx.captured.blocks)
-    exposed = 1.0 / (layers + 1)
-    for e, c in zip(ctx.edges, ctx.edge_cost):
+    # layers prices them at 1/(L+1) of their time (in full without repeated layers).
+    exposed = 1.0 / (sum(b.count for b in ctx.captured.blocks) + 1)
+    for e, c, group in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges)):
         cost = [[exposed * v for v in row] for row in c.cost] if e.kind == "grad" else c.cost
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
@@ -43,11 +40,29 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
             continue
         dst, dmap = _root(ctx, e.dst)
         dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
-        edges.append(IlpEdge(src, dst, src_index, dst_index, cost))
+        edges.append(IlpEdge(src, dst, src_index, dst_index, cost, group))
     sc = ctx.config.solver
-    limit = ctx.config.solver_time_limit_s if ctx.config.solver_time_limit_s is not None else sc.time_limit_s
-    return IlpProblem(n_strategies=n, compute=compute, memory=memory, edges=edges, memory_limit=memory_limit,
-                      time_limit_s=limit, seed=sc.seed, workers=sc.workers)
+    return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
+                      memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)
+
+
+def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:
+    """The step simulator's memory profile over root keys, one row per candidate peak point (with a limit, only
+    the points some choice could push over it)."""
+    prof = memory_profile(ctx)
+    terms = []
+    for k in prof.keys:
+        root, idx = _root(ctx, k)
+        b = prof.act_bytes[k]
+        terms.append((root, [float(v) for v in (b if idx is None else b[idx])]))
+    points = prof.candidate_points()
+    if limit is not None and points:
+        static_max = sum(float(np.max(v)) for v in prof.static.values())
+        term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
+        points = [i for i in points if static_max + float(prof.weight[i] @ term_max) > limit]
+    weights = [{t: float(w) for t, w in enumerate(prof.weight[i]) if w} for i in points]
+    static = {k: [float(x) for x in v] for k, v in prof.static.items()}
+    return MemoryRows(static, terms, weights)
 
 
 def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:
@@ -58,44 +73,71 @@ def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:
 
 
 def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from autopar.passes.simulate_step import simulate
-
     limit = float(ctx.memory_limit)
     report = ctx.progress.update if ctx.progress is not None else None
-    for attempt in range(ctx.config.solver.memory_refinements + 1):
-        problem = build_problem(ctx, limit)
-        reduced = reduce_problem(problem)
-        result = solve(reduced.problem, on_progress=report, backend=ctx.config.solver.backend)
-        if result is None:
-            _raise_infeasible(ctx)
-        ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
-        ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
-                                strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal, objective_s=result.objective_s,
-                                refinements=attempt)
-        sim = simulate(ctx)
-        if sim.peak_memory <= ctx.memory_limit:
-            break
-        # The linear estimate missed transient buffers: tighten by the overshoot and solve again.
-        limit -= (sim.peak_memory - ctx.memory_limit) * 1.05
-    if not result.optimal:
-        warnings.warn(f"the solver hit its time limit ({problem.time_limit_s} s) before proving "
-                      "optimality; returning the best plan found (raise Config(solver_time_limit_s=...))",
-                      stacklevel=2)
+    sc = ctx.config.solver
+    problem = build_problem(ctx, limit)
+    reduced = reduce_problem(problem)
+    t0 = time.perf_counter()
+    try:
+        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
+                            relative_gap=sc.relative_gap, on_progress=report)
+    except ProgramInfeasible:
+        _raise_infeasible(ctx)
+    except SolverTimeout as e:
+        raise SolverTimeout(_timeout_message(ctx, getattr(e, "smallest_peak", None))) from None
+    result = out.result
+    ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+    ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
+                            strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal,
+                            objective_s=result.objective_s, bound_s=result.bound_s, gap=result.gap,
+                            path=out.path, seconds=time.perf_counter() - t0)
+    if out.timed_out:
+        warnings.warn(f"the planning time limit (Config.solver_time_limit_s={ctx.config.solver_time_limit_s} s) "
+                      f"was reached before the solver proved optimality; returning the best plan found, within "
+                      f"{result.gap:.1%} of optimal (raise solver_time_limit_s for a better bound)", stacklevel=2)
     return gm
 
 
+def _timeout_message(ctx: PassContext, smallest_peak: float | None) -> str:
+    seen = "" if smallest_peak is None else (f"; the smallest peak of any plan seen was "
+                                            f"{fmt_mem(smallest_peak, ctx.memory_limit)} per rank")
+    return (f"no plan fitting {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank was found within the planning "
+            f"time limit of {ctx.config.solver_time_limit_s} s{seen}. Raise Config(solver_time_limit_s=...), "
+            "or raise memory_limit_gb or use more ranks so that plans fit more easily.")
+
+
+def fmt_mem(nbytes: float, scale: float) -> str:
+    """Bytes in the unit that fits `scale` (the limit's size): KiB for a toy model, GiB for a large one."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if scale >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _raise_infeasible(ctx: PassContext) -> None:
-    best = solve(build_problem(ctx, None), minimize_memory=True)
-    if best is None:
-        raise InfeasibleMemoryError("no plan exists (the strategy space is empty)")
-    consumers = []
-    choice = expand_choice(ctx, best.choice)
-    for key, costs in ctx.memory_cost.items():
-        consumers.append((costs[choice[key]], key))
+    """Minimize the peak (no limit) and say how far it is from fitting, and what fills it."""
+    from autopar.solver import solve
+
+    problem = build_problem(ctx, None)
+    reduced = reduce_problem(problem)
+    try:
+        best = solve(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline, objective="peak")
+    except SolverTimeout:
+        raise InfeasibleMemoryError(
+            f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank (the solver "
+            f"proved it) and the time limit of {ctx.config.solver_time_limit_s} s ran out before the smallest "
+            "peak was found. Use more ranks, a smaller batch or sequence, or raise memory_limit_gb.") from None
+    choice = expand_choice(ctx, reduced.expand(best.choice))
+    prof = memory_profile(ctx)
+    static, act, point = prof.peak(choice)
+    consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
+    consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[k]]), k)
+                  for c, k in enumerate(prof.keys)]
     consumers.sort(reverse=True)
-    total = sum(c for c, _ in consumers)
-    top = ", ".join(f"{k} {c / 2**30:.2f} GiB" for c, k in consumers[:5])
+    scale = ctx.memory_limit
+    top = ", ".join(f"{k} {fmt_mem(c, scale)}" for c, k in consumers[:5] if c > 0)
     raise InfeasibleMemoryError(
-        f"no plan fits the memory limit of {ctx.memory_limit / 2**30:.2f} GiB per rank; the smallest plan found "
-        f"needs {total / 2**30:.2f} GiB (largest consumers: {top}). Use more ranks, a smaller batch or sequence, "
-        "or raise memory_limit_gb.")
+        f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, scale)} per rank; the smallest plan found "
+        f"needs {fmt_mem(static + act, scale)} (largest consumers: {top}). Use more ranks, a smaller batch or "
+        "sequence, or raise memory_limit_gb.") from None

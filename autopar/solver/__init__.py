@@ -1,4 +1,5 @@
 """The placement integer program."""
+from autopar.solver.bounded import Bounded, solve_bounded
 from autopar.solver.ilp import IlpProblem, IlpResult, solve
 
-__all__ = ["IlpProblem", "IlpResult", "solve"]
+__all__ = ["Bounded", "IlpProblem", "IlpResult", "solve", "solve_bounded"]

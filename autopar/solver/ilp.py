@@ -1,21 +1,26 @@
-"""Choose one strategy per plan key minimizing compute + resharding time under a per-rank memory bound.
+"""The placement integer program: its data, its units, and one entry point over two backends.
 
 The math. For every key k with strategies S_k there are booleans x[k,s], sum_s x[k,s] = 1. An edge e from
 key u (output layouts A_e, strategy s maps to a(s)) to key v (input layouts B_e, strategy t maps to b(t)) with
-cost c_e[a,b] adds booleans y[e,a,b] tied to x by transportation constraints
+cost c_e[a,b] adds variables y[e,a,b] in [0,1] tied to x by transportation constraints
 
     sum_b y[e,a,b] = sum_{s: a(s)=a} x[u,s]        sum_a y[e,a,b] = sum_{t: b(t)=b} x[v,t]
 
-so y[e,a,b] = 1 exactly when u outputs a and v wants b. Edges whose cost depends on one side only, or whose
-two ends share a key, are linear in x and need no y. The objective is
+so y[e,a,b] = 1 exactly when u outputs a and v wants b (integral once x is). Edges whose cost depends on one
+side only, or whose two ends share a key, are linear in x and need no y. A shared redistribution (one value
+consumed in one layout by several ops, redistributed once) gets z[g,a,b] >= y[e,a,b] for each of its edges e
+and is priced on z. The objective is
 
-    min  sum_{k,s} compute[k,s] x[k,s]  +  sum_{e,a,b} c_e[a,b] y[e,a,b]
+    min  sum_{k,s} compute[k,s] x[k,s]  +  sum_{e,a,b} c_e[a,b] y[e,a,b]  +  sum_{g,a,b} c_g[a,b] z[g,a,b]
 
-subject to  sum_{k,s} memory[k,s] x[k,s] <= limit  (parameter state + activations saved for backward).
-Keys of repeated layers are shared, so one block's variables stand for every layer (costs carry the repeat
-count). The default backend is HiGHS (a MIP: x boolean, y continuous, since the transportation constraints
-make y integral once x is); the "cp-sat" backend keeps every variable boolean with integer nanosecond costs.
-Both create variables in sorted key order and run deterministically, so the same inputs give the same plan.
+and memory is bounded at every candidate peak point i of the schedule (`MemoryRows`):
+
+    sum_k static[k,s] x[k,s]  +  sum_t w[i,t] sum_s bytes_t[s] x[key(t),s]  <=  limit     for every i
+
+(persistent parameter state plus the allocations live at i). With `objective="peak"` the program minimizes
+the largest of these rows instead. Both backends create variables in sorted key order and run
+single-threaded at a fixed seed, so the same inputs give the same plan whenever the solve ends before its
+deadline.
 """
 from __future__ import annotations
 
@@ -23,13 +28,23 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from ortools.sat.python import cp_model
+from autopar.errors import AutoparError, SolverTimeout
 
-SCALE = 1e9  # seconds -> integer nanoseconds
+# Units. HiGHS works in floating point: its objective is in milliseconds and its memory rows in MiB, so both
+# stay near 1 for realistic models. CP-SAT needs integers: nanoseconds and bytes.
+SECONDS_PER_HIGHS_TIME_UNIT = 1e-3
+BYTES_PER_HIGHS_MEMORY_UNIT = 2**20
+SECONDS_PER_CPSAT_TIME_UNIT = 1e-9
+BYTES_PER_CPSAT_MEMORY_UNIT = 1
+
+# A plan whose objective is within this fraction of the proven bound counts as optimal (HiGHS's default MIP gap).
+OPTIMALITY_TOLERANCE = 1e-4
+
+BACKENDS = ("highs", "cp-sat")
 
 
-class SolverTimeout(ValueError):
-    """No feasible plan was found before the time limit."""
+class ProgramInfeasible(AutoparError):
+    """The integer program has no solution (no choice fits the memory limit)."""
 
 
 @dataclasses.dataclass
@@ -39,214 +54,107 @@ class IlpEdge:
     src_index: Sequence[int]
     dst_index: Sequence[int] | None
     cost: Sequence[Sequence[float]]
+    group: int | None = None  # edges of one group share one redistribution per (source, destination) layout
+
+
+@dataclasses.dataclass
+class MemoryRows:
+    """Per-rank bytes at each candidate peak point, linear in the choice: point i holds
+    sum_k static[k][s_k] + sum_t weights[i][t] * terms[t][1][s_{terms[t][0]}]."""
+
+    static: dict[str, Sequence[float]]
+    terms: list[tuple[str, Sequence[float]]]
+    weights: list[dict[int, float]]
+
+    def usage(self, choice: dict[str, int]) -> float:
+        """The largest row under `choice`."""
+        return self.peak({k: {i: 1.0} for k, i in choice.items()})
+
+    def peak(self, x: dict[str, dict[int, float]]) -> float:
+        """The largest row at a fractional point: x[key] maps strategies to their weights."""
+        base = sum(sum(w * v[i] for i, w in x[k].items()) for k, v in self.static.items())
+        term = [sum(w * b[i] for i, w in x[k].items()) for k, b in self.terms]
+        return base + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
+
+    def key_columns(self, key: str) -> list[list[float]]:
+        """Per strategy of `key`, its coefficient in each row (static first, then one per point)."""
+        n = len(next(b for k, b in [*self.static.items(), *self.terms] if k == key))
+        cols = [[float(self.static[key][s]) if key in self.static else 0.0 for s in range(n)]]
+        for row in self.weights:
+            cols.append([sum(w * self.terms[t][1][s] for t, w in row.items() if self.terms[t][0] == key)
+                         for s in range(n)])
+        return [list(c) for c in zip(*cols)]
+
+    def restricted(self, kept: dict[str, list[int]]) -> "MemoryRows":
+        return MemoryRows({k: [v[i] for i in kept[k]] for k, v in self.static.items()},
+                          [(k, [b[i] for i in kept[k]]) for k, b in self.terms], self.weights)
 
 
 @dataclasses.dataclass
 class IlpProblem:
     n_strategies: dict[str, int]
     compute: dict[str, Sequence[float]]
-    memory: dict[str, Sequence[float]]
     edges: list[IlpEdge]
-    memory_limit: float | None
-    time_limit_s: float = 60.0
+    memory: MemoryRows | None = None
+    memory_limit: float | None = None
     seed: int = 0
     workers: int = 1
-    fixed_memory: float = 0.0
+
+    def objective(self, choice: dict[str, int]) -> float:
+        """Seconds the program charges for `choice` (shared redistributions once per group and layout pair)."""
+        total = sum(self.compute[k][i] for k, i in choice.items())
+        shared: dict[tuple, float] = {}
+        for e in self.edges:
+            a = e.src_index[choice[e.src]]
+            b = 0 if e.dst is None else e.dst_index[choice[e.dst]]
+            if e.group is None:
+                total += e.cost[a][b]
+            else:
+                shared[(e.group, a, b)] = e.cost[a][b]
+        return total + sum(shared.values())
+
+    def fits(self, choice: dict[str, int]) -> bool:
+        return self.memory is None or self.memory_limit is None or self.memory.usage(choice) <= self.memory_limit
 
 
 @dataclasses.dataclass
 class IlpResult:
     choice: dict[str, int]
-    objective_s: float
+    objective_s: float  # for objective="peak": bytes
+    bound_s: float  # a proven lower bound on the optimum, same unit
     optimal: bool
     stats: dict
 
+    @property
+    def gap(self) -> float:
+        """Relative distance to the proven bound."""
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
-def _ns(x: float) -> int:
-    return int(round(x * SCALE))
 
+def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = None, objective: str = "time",
+          hint: dict[str, int] | None = None, relative_gap: float = 0.0,
+          on_progress: Callable[[str], None] | None = None) -> IlpResult:
+    """Solve `p` before `deadline` (time.monotonic() seconds; None: no limit).
 
-def solve(p: IlpProblem, on_progress: Callable[[str], None] | None = None, minimize_memory: bool = False,
-          backend: str = "highs") -> IlpResult | None:
-    """Solve; None when infeasible. With minimize_memory the objective is memory alone and no limit applies.
-
-    backend "highs" (default) is a MIP over boolean x with continuous y (the transportation constraints make
-    y integral once x is); "cp-sat" keeps every variable boolean."""
+    objective "time" minimizes seconds under the memory limit; "peak" minimizes the largest memory row with no
+    limit. `hint` is a full choice to start from; `relative_gap` lets the solver stop once its incumbent is
+    proven within that fraction of the optimum. Raises ProgramInfeasible when nothing fits and SolverTimeout
+    when the deadline passes before any solution is found; at the deadline with a solution, returns it with
+    optimal=False."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown solver backend {backend!r}; use SolverConfig(backend=...) with one of: "
+                         + ", ".join(BACKENDS))
+    if objective not in ("time", "peak"):
+        raise ValueError(f"unknown objective {objective!r}: 'time' or 'peak'")
+    remaining = None if deadline is None else deadline - time.monotonic()
+    if remaining is not None and remaining <= 0:
+        raise SolverTimeout("the time limit was reached before the integer program could start")
     if backend == "highs":
-        return _solve_mip(p, on_progress, minimize_memory)
-    t0 = time.perf_counter()
-    m = cp_model.CpModel()
-    x: dict[str, list] = {}
-    for k in sorted(p.n_strategies):
-        n = p.n_strategies[k]
-        x[k] = [m.NewBoolVar(f"x[{k},{i}]") for i in range(n)]
-        m.AddExactlyOne(x[k])
-    obj: list = []
-    n_y = 0
-    if not minimize_memory:
-        for k in sorted(x):
-            obj.extend(_ns(c) * v for c, v in zip(p.compute[k], x[k]) if _ns(c))
-        for e in p.edges:
-            n_y += _add_edge(m, e, x, obj)
-    mem_terms = [int(c) * v for k in sorted(p.memory) for c, v in zip(p.memory[k], x[k]) if int(c)]
-    if minimize_memory:
-        obj = mem_terms
-    elif p.memory_limit is not None and mem_terms:
-        m.Add(sum(mem_terms) <= int(p.memory_limit - p.fixed_memory))
-    m.Minimize(sum(obj) if obj else 0)
-    build_s = time.perf_counter() - t0
-    solver = cp_model.CpSolver()
-    prm = solver.parameters
-    prm.random_seed = p.seed
-    prm.num_workers = p.workers
-    prm.max_deterministic_time = p.time_limit_s
-    prm.log_search_progress = False
-    cb = _Progress(on_progress, t0) if on_progress else None
-    status = solver.Solve(m, cb) if cb else solver.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    choice = {k: next(i for i, v in enumerate(vs) if solver.BooleanValue(v)) for k, vs in x.items()}
-    stats = {"variables": sum(len(v) for v in x.values()) + n_y, "keys": len(x), "edge_variables": n_y,
-             "constraints": len(m.Proto().constraints), "build_seconds": build_s,
-             "solve_seconds": solver.WallTime(), "status": solver.StatusName(status)}
-    return IlpResult(choice, solver.ObjectiveValue() / SCALE, status == cp_model.OPTIMAL, stats)
+        from autopar.solver.highs import solve_highs
 
+        return solve_highs(p, remaining, objective, hint, relative_gap, on_progress)
+    from autopar.solver.cpsat import solve_cpsat
 
-def _add_edge(m: cp_model.CpModel, e: IlpEdge, x: dict, obj: list) -> int:
-    A, B = len(e.cost), len(e.cost[0])
-    if all(_ns(c) == 0 for row in e.cost for c in row):
-        return 0
-    xs = x[e.src]
-    if e.dst is None:
-        obj.extend(_ns(e.cost[e.src_index[s]][0]) * xs[s] for s in range(len(xs)))
-        return 0
-    xd = x[e.dst]
-    if e.src == e.dst:  # a layer feeding the same op of the next layer: one shared choice
-        obj.extend(_ns(e.cost[e.src_index[s]][e.dst_index[s]]) * xs[s] for s in range(len(xs)))
-        return 0
-    if A == 1 or B == 1:
-        obj.extend(_ns(e.cost[0][e.dst_index[t]]) * xd[t] for t in range(len(xd)) if A == 1)
-        obj.extend(_ns(e.cost[e.src_index[s]][0]) * xs[s] for s in range(len(xs)) if A != 1)
-        return 0
-    y = [[m.NewBoolVar("") for _ in range(B)] for _ in range(A)]
-    for a in range(A):
-        m.Add(sum(y[a]) == sum(xs[s] for s in range(len(xs)) if e.src_index[s] == a))
-    for b in range(B):
-        m.Add(sum(y[a][b] for a in range(A)) == sum(xd[t] for t in range(len(xd)) if e.dst_index[t] == b))
-    obj.extend(_ns(e.cost[a][b]) * y[a][b] for a in range(A) for b in range(B) if _ns(e.cost[a][b]))
-    return A * B
-
-
-class _Progress(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: Callable[[str], None], t0: float):
-        super().__init__()
-        self.report, self.t0, self.n = report, t0, 0
-
-    def on_solution_callback(self) -> None:
-        self.n += 1
-        self.report(f"solution {self.n}: objective {self.ObjectiveValue() / SCALE * 1e3:.3f} ms, "
-                    f"bound {self.BestObjectiveBound() / SCALE * 1e3:.3f} ms")
-
-
-def _solve_mip(p: IlpProblem, on_progress, minimize_memory: bool) -> IlpResult | None:
-    from ortools.linear_solver import pywraplp
-
-    t0 = time.perf_counter()
-    m = pywraplp.Solver.CreateSolver("HIGHS")
-    m.SuppressOutput()
-    x: dict[str, list] = {}
-    obj = m.Objective()
-    for k in sorted(p.n_strategies):
-        x[k] = [m.BoolVar(f"x{len(x)}_{i}") for i in range(p.n_strategies[k])]
-        c = m.Constraint(1, 1)
-        for v in x[k]:
-            c.SetCoefficient(v, 1)
-    lin: dict = {}
-
-    def add(v, coef):
-        lin[v] = lin.get(v, 0.0) + coef
-
-    n_y = 0
-    if minimize_memory:
-        for k in p.memory:
-            for c, v in zip(p.memory[k], x[k]):
-                add(v, c / 2**30)
-    else:
-        for k in x:
-            for c, v in zip(p.compute[k], x[k]):
-                if c:
-                    add(v, c * 1e3)
-        for e in p.edges:
-            n_y += _mip_edge(m, e, x, add)
-        mem = [(c, v) for k in p.memory for c, v in zip(p.memory[k], x[k]) if c]
-        if p.memory_limit is not None and mem:
-            con = m.Constraint(-m.infinity(), (p.memory_limit - p.fixed_memory) / 2**20)
-            for c, v in mem:
-                con.SetCoefficient(v, c / 2**20)
-    for v, coef in lin.items():
-        obj.SetCoefficient(v, coef)
-    obj.SetMinimization()
-    m.SetTimeLimit(int(p.time_limit_s * 1000))
-    # HiGHS is deterministic at its default seed; the one option set here silences its banner.
-    m.SetSolverSpecificParametersAsString("output_flag = false")
-    build_s = time.perf_counter() - t0
-    if on_progress:
-        on_progress(f"solving: {m.NumVariables()} variables, {m.NumConstraints()} constraints")
-    t1 = time.perf_counter()
-    status = m.Solve()
-    solve_s = time.perf_counter() - t1
-    if status == pywraplp.Solver.INFEASIBLE:
-        return None
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise SolverTimeout(f"the solver found no plan within its time limit of {p.time_limit_s} s; raise "
-                            "Config(solver_time_limit_s=...)")
-    choice = {k: max(range(len(vs)), key=lambda i: (vs[i].solution_value(), -i)) for k, vs in x.items()}
-    stats = {"variables": m.NumVariables(), "keys": len(x), "edge_variables": n_y,
-             "constraints": m.NumConstraints(), "build_seconds": build_s, "solve_seconds": solve_s,
-             "status": "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE", "backend": "highs"}
-    value = obj.Value() / 1e3 if not minimize_memory else obj.Value()
-    return IlpResult(choice, value, status == pywraplp.Solver.OPTIMAL, stats)
-
-
-def _mip_edge(m, e: IlpEdge, x: dict, add) -> int:
-    A, B = len(e.cost), len(e.cost[0])
-    if all(c == 0 for row in e.cost for c in row):
-        return 0
-    xs = x[e.src]
-    if e.dst is None:
-        for s in range(len(xs)):
-            add(xs[s], e.cost[e.src_index[s]][0] * 1e3)
-        return 0
-    xd = x[e.dst]
-    if e.src == e.dst:
-        for s in range(len(xs)):
-            add(xs[s], e.cost[e.src_index[s]][e.dst_index[s]] * 1e3)
-        return 0
-    if A == 1:
-        for t in range(len(xd)):
-            add(xd[t], e.cost[0][e.dst_index[t]] * 1e3)
-        return 0
-    if B == 1:
-        for s in range(len(xs)):
-            add(xs[s], e.cost[e.src_index[s]][0] * 1e3)
-        return 0
-    y = [[m.NumVar(0, 1, "") for _ in range(B)] for _ in range(A)]
-    for a in range(A):
-        c = m.Constraint(0, 0)
-        for b in range(B):
-            c.SetCoefficient(y[a][b], 1)
-        for s in range(len(xs)):
-            if e.src_index[s] == a:
-                c.SetCoefficient(xs[s], -1)
-    for b in range(B):
-        c = m.Constraint(0, 0)
-        for a in range(A):
-            c.SetCoefficient(y[a][b], 1)
-        for t in range(len(xd)):
-            if e.dst_index[t] == b:
-                c.SetCoefficient(xd[t], -1)
-    for a in range(A):
-        for b in range(B):
-            if e.cost[a][b]:
-                add(y[a][b], e.cost[a][b] * 1e3)
-    return A * B
+    return solve_cpsat(p, remaining, objective, hint, relative_gap, on_progress)

@@ -18,16 +18,25 @@ class Reduced:
     def expand(self, choice: dict[str, int]) -> dict[str, int]:
         return {k: self.kept[k][i] for k, i in choice.items()}
 
+    def restrict(self, choice: dict[str, int]) -> dict[str, int] | None:
+        """A choice of the original problem in the reduced one's indices (None if it uses a dropped strategy)."""
+        pos = {k: {o: i for i, o in enumerate(v)} for k, v in self.kept.items()}
+        out = {k: pos[k].get(i) for k, i in choice.items() if k in pos}
+        return None if any(v is None for v in out.values()) else out
+
 
 def reduce_problem(p: IlpProblem) -> Reduced:
     linear = {k: np.asarray(p.compute[k], dtype=float).copy() for k in p.n_strategies}
     pair_edges: dict[tuple, list] = collections.defaultdict(list)
+    grouped = []
     for e in p.edges:
         cost = np.asarray(e.cost, dtype=float)
         if not cost.any():
             continue
         si = np.asarray(e.src_index)
-        if e.dst is None:
+        if e.group is not None:
+            grouped.append(e)
+        elif e.dst is None:
             linear[e.src] += cost[si, 0]
         elif e.src == e.dst:
             linear[e.src] += cost[si, np.asarray(e.dst_index)]
@@ -41,31 +50,46 @@ def reduce_problem(p: IlpProblem) -> Reduced:
             pair_edges[(e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), cost.shape)].append(cost)
     edges = [(src, dst, np.asarray(si), np.asarray(di), sum(costs))
              for (src, dst, si, di, _), costs in pair_edges.items()]
-    memory = {k: np.asarray(p.memory.get(k, [0.0] * n), dtype=float) for k, n in p.n_strategies.items()}
-    kept = {k: _undominated(k, n, linear, memory, edges) for k, n in p.n_strategies.items()}
-    new_edges = []
-    for src, dst, si, di, cost in edges:
-        new_edges.append(IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]],
-                                 cost.tolist()))
+    kept = {k: _undominated(k, n, linear, p, edges, grouped) for k, n in p.n_strategies.items()}
+    new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
+                 for src, dst, si, di, cost in edges]
+    for e in grouped:
+        dst_index = None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]]
+        new_edges.append(IlpEdge(e.src, e.dst, [e.src_index[o] for o in kept[e.src]], dst_index, e.cost, e.group))
     q = IlpProblem(n_strategies={k: len(v) for k, v in kept.items()},
-                   compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept},
-                   memory={k: [float(memory[k][o]) for o in kept[k]] for k in kept},
-                   edges=new_edges, memory_limit=p.memory_limit, time_limit_s=p.time_limit_s, seed=p.seed,
-                   workers=p.workers, fixed_memory=p.fixed_memory)
+                   compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
+                   memory=None if p.memory is None else p.memory.restricted(kept), memory_limit=p.memory_limit,
+                   seed=p.seed, workers=p.workers)
     return Reduced(q, kept)
 
 
-def _undominated(key: str, n: int, linear, memory, edges) -> list[int]:
-    """Strategy s is dropped when some t is no worse in compute, memory and every edge's cost against
-    every layout of the other end (ties keep the lower index)."""
+def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> list[int]:
+    """Strategy s is dropped when some t is no worse in compute, in every memory coefficient and in every edge's
+    cost against every layout of the other end (ties keep the lower index). A shared redistribution is cheaper
+    when its consumers agree on a layout, so there t must want the same layout as s."""
     if n < 2:
         return list(range(n))
-    cols = [linear[key][:, None], memory[key][:, None]]
+    cols = [linear[key][:, None]]
+    if p.memory is not None:
+        cols += [np.asarray(v, dtype=float)[:, None] for k, v in p.memory.static.items() if k == key]
+        cols += [np.asarray(b, dtype=float)[:, None] for k, b in p.memory.terms if k == key]
     for src, dst, si, di, cost in edges:
         if src == key:
             cols.append(cost[si, :])
         elif dst == key:
             cols.append(cost[:, di].T)
+    for e in grouped:
+        cost = np.asarray(e.cost, dtype=float)
+        if e.src == key and e.dst == key:
+            same = [e.src_index, e.dst_index]
+        elif e.src == key:
+            cols.append(cost[np.asarray(e.src_index), :])
+            same = []
+        else:
+            same = [e.dst_index] if e.dst == key else []
+        for classes in same:  # t must use the same layout class as s
+            b = np.asarray(classes, dtype=float)[:, None]
+            cols += [b, -b]
     f = np.concatenate(cols, axis=1)  # (n, features)
     le = (f[None, :, :] <= f[:, None, :] + 1e-15).all(axis=2)  # le[s, t]: t no worse than s everywhere
     eq = (np.abs(f[None, :, :] - f[:, None, :]) <= 1e-15).all(axis=2)

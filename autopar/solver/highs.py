@@ -1,0 +1,156 @@
+"""The HiGHS backend: the program as a MathOpt model proto, solved as a MIP (x boolean, y and z continuous).
+
+MathOpt rather than pywraplp: it passes a start solution to HiGHS and reports HiGHS's proven dual bound, so a
+plan stopped early says how far from optimal it can be. Memory rows go through one continuous column per
+allocation term (m_t = bytes_t . x) and one for the static state (S = static . x), so a candidate point's row
+S + sum_t w[i,t] m_t holds a few dozen entries instead of one per strategy.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Callable
+
+from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, parameters_pb2, result_pb2
+from ortools.math_opt.core.python import solver as core
+from ortools.math_opt.python import init_arguments
+
+from autopar.solver.ilp import (BYTES_PER_HIGHS_MEMORY_UNIT, OPTIMALITY_TOLERANCE, SECONDS_PER_HIGHS_TIME_UNIT,
+                                IlpProblem, IlpResult, ProgramInfeasible, SolverTimeout)
+from autopar.solver.program import Program, build_program
+
+_T = result_pb2.TerminationReasonProto
+_INF = float("inf")
+
+
+def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: dict[str, int] | None,
+                relative_gap: float, on_progress: Callable[[str], None] | None) -> IlpResult:
+    t0 = time.perf_counter()
+    prog = build_program(p)
+    proto = _model(prog, objective)
+    params = _params(p.seed, remaining)
+    if relative_gap > 0:
+        params.relative_gap_tolerance = relative_gap
+    model_params = model_parameters_pb2.ModelSolveParametersProto()
+    if hint is not None:
+        h = model_params.solution_hints.add()
+        for k in sorted(prog.x):
+            for i, col in enumerate(prog.x[k]):
+                h.variable_values.ids.append(col)
+                h.variable_values.values.append(1.0 if hint[k] == i else 0.0)
+    build_s = time.perf_counter() - t0
+    if on_progress:
+        on_progress(f"solving: {prog.n_cols} variables, {len(proto.linear_constraints.ids)} constraints")
+    t1 = time.perf_counter()
+    res = _run(proto, params, model_params)
+    solve_s = time.perf_counter() - t1
+    val = _check(res)
+    choice = {k: max(range(len(cols)), key=lambda i: (val.get(cols[i], 0.0), -i)) for k, cols in prog.x.items()}
+    unit = SECONDS_PER_HIGHS_TIME_UNIT if objective == "time" else BYTES_PER_HIGHS_MEMORY_UNIT
+    reason = res.termination.reason
+    bounds = res.termination.objective_bounds
+    obj = bounds.primal_bound * unit
+    bound = max(min(bounds.dual_bound, bounds.primal_bound), 0.0) * unit
+    optimal = reason == _T.TERMINATION_REASON_OPTIMAL and obj - bound <= OPTIMALITY_TOLERANCE * obj
+    stats = {"backend": "highs", "variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
+             "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
+             "status": "OPTIMAL" if reason == _T.TERMINATION_REASON_OPTIMAL else "FEASIBLE",
+             "nodes": res.solve_stats.node_count, "build_seconds": build_s, "solve_seconds": solve_s}
+    return IlpResult(choice, obj, bound, optimal, stats)
+
+
+def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]]]:
+    """The linear relaxation: (its optimum in seconds, a lower bound on the program's; x per key)."""
+    prog = build_program(p)
+    proto = _model(prog, "time")
+    del proto.variables.integers[:]
+    proto.variables.integers.extend([False] * len(proto.variables.ids))
+    res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
+    val = _check(res)
+    x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
+    return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x
+
+
+def _params(seed: int, remaining: float | None) -> parameters_pb2.SolveParametersProto:
+    # HiGHS runs its MIP search on one thread and is deterministic at a fixed seed.
+    params = parameters_pb2.SolveParametersProto(random_seed=seed, enable_output=False)
+    if remaining is not None:
+        params.time_limit.FromTimedelta(datetime.timedelta(seconds=max(remaining, 1e-3)))
+    return params
+
+
+def _run(proto, params, model_params):
+    return core.solve(proto, parameters_pb2.SOLVER_TYPE_HIGHS, init_arguments.StreamableSolverInitArguments().to_proto(),
+                      params, model_params, None, callback_pb2.CallbackRegistrationProto(), None, None)
+
+
+def _check(res) -> dict[int, float]:
+    """Column values of the solution; the shared errors when there is none."""
+    reason = res.termination.reason
+    if reason in (_T.TERMINATION_REASON_INFEASIBLE, _T.TERMINATION_REASON_INFEASIBLE_OR_UNBOUNDED):
+        raise ProgramInfeasible("no choice of strategies satisfies the memory rows")
+    if not res.solutions or reason not in (_T.TERMINATION_REASON_OPTIMAL, _T.TERMINATION_REASON_FEASIBLE):
+        raise SolverTimeout(f"HiGHS stopped without a solution ({res.termination.detail or reason})")
+    values = res.solutions[0].primal_solution.variable_values
+    return dict(zip(values.ids, values.values))
+
+
+def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
+    """The program as a proto; with objective 'peak', one more column bounds every memory row and is minimized."""
+    cols_lb = [0.0] * prog.n_cols
+    cols_ub = [1.0] * prog.n_cols
+    integer = list(prog.integer)
+    cost = [c / SECONDS_PER_HIGHS_TIME_UNIT for c in prog.cost] if objective == "time" else [0.0] * prog.n_cols
+    rows = [(lo, hi, dict(r)) for lo, hi, r in prog.rows]
+    peak_col = None
+    if prog.static or prog.terms:
+        u = BYTES_PER_HIGHS_MEMORY_UNIT
+
+        def aux(coefs: dict[int, float]) -> int:
+            col = len(cols_lb)
+            cols_lb.append(0.0)
+            cols_ub.append(_INF)
+            integer.append(False)
+            cost.append(0.0)
+            row = {c: -b / u for c, b in coefs.items()}
+            row[col] = 1.0
+            rows.append((0.0, 0.0, row))
+            return col
+
+        static = aux(prog.static)
+        terms = [aux(t) for t in prog.terms]
+        limit = _INF if objective == "peak" or prog.memory_limit is None else prog.memory_limit / u
+        if objective == "peak":
+            peak_col = len(cols_lb)
+            cols_lb.append(0.0)
+            cols_ub.append(_INF)
+            integer.append(False)
+            cost.append(1.0)
+        for point in prog.points or [{}]:
+            row = {static: 1.0}
+            for t, w in point.items():
+                row[terms[t]] = row.get(terms[t], 0.0) + w
+            if peak_col is not None:
+                row[peak_col] = -1.0
+                rows.append((-_INF, 0.0, row))
+            else:
+                rows.append((-_INF, limit, row))
+    m = model_pb2.ModelProto()
+    n = len(cols_lb)
+    m.variables.ids.extend(range(n))
+    m.variables.lower_bounds.extend(cols_lb)
+    m.variables.upper_bounds.extend(cols_ub)
+    m.variables.integers.extend(integer)
+    nz = [(i, c) for i, c in enumerate(cost) if c]
+    m.objective.linear_coefficients.ids.extend(i for i, _ in nz)
+    m.objective.linear_coefficients.values.extend(c for _, c in nz)
+    m.linear_constraints.ids.extend(range(len(rows)))
+    m.linear_constraints.lower_bounds.extend(lo for lo, _, _ in rows)
+    m.linear_constraints.upper_bounds.extend(hi for _, hi, _ in rows)
+    mat = m.linear_constraint_matrix
+    for r, (_, _, coefs) in enumerate(rows):
+        items = sorted((c, v) for c, v in coefs.items() if v)
+        mat.row_ids.extend([r] * len(items))
+        mat.column_ids.extend(c for c, _ in items)
+        mat.coefficients.extend(v for _, v in items)
+    return m

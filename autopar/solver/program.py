@@ -1,0 +1,122 @@
+"""The integer program as a sparse matrix, for any backend: x booleans, y/z edge variables, memory rows.
+
+Each backend turns a `Program` into its own model; the layout of the program (which variable and row means
+what) lives here once, so HiGHS and CP-SAT solve the same program.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.solver.ilp import IlpEdge, IlpProblem
+
+
+@dataclasses.dataclass
+class Program:
+    """min cost . v  subject to  lo <= A v <= hi,  v in [0, 1] (x integer; y, z integral once x is)."""
+
+    x: dict[str, list[int]]  # key -> column of each strategy's boolean
+    n_cols: int
+    integer: list[bool]
+    cost: list[float]  # seconds per column
+    rows: list[tuple[float, float, dict[int, float]]]  # (lo, hi, {column: coefficient})
+    memory_limit: float | None
+    # Memory at candidate point i: static . x + sum_t points[i][t] * (terms[t] . x), in bytes.
+    static: dict[int, float] = dataclasses.field(default_factory=dict)
+    terms: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    points: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    n_edge_vars: int = 0
+
+    def column(self, integer: bool = False, cost: float = 0.0) -> int:
+        self.integer.append(integer)
+        self.cost.append(cost)
+        self.n_cols += 1
+        return self.n_cols - 1
+
+
+def build_program(p: IlpProblem) -> Program:
+    prog = Program({}, 0, [], [], [], p.memory_limit)
+    for k in sorted(p.n_strategies):
+        prog.x[k] = [prog.column(True, float(c)) for c in p.compute[k]]
+        prog.rows.append((1.0, 1.0, {c: 1.0 for c in prog.x[k]}))
+    shared: dict[tuple, int] = {}
+    for e in p.edges:
+        _edge(prog, e, shared)
+    if p.memory is not None:
+        _memory_rows(prog, p)
+    return prog
+
+
+def _edge(prog: Program, e: IlpEdge, shared: dict[tuple, int]) -> None:
+    if all(c == 0 for row in e.cost for c in row):
+        return
+    for (a, b), ind in _pair_indicators(prog, e).items():
+        c = float(e.cost[a][b])
+        if e.group is None:
+            for col, coef in ind.items():
+                prog.cost[col] += coef * c
+            continue
+        if not c:
+            continue
+        z = shared.get((e.group, a, b))
+        if z is None:
+            z = shared[(e.group, a, b)] = prog.column(False, c)
+            prog.n_edge_vars += 1
+        # z >= indicator of (a, b) on this edge: the group pays c once if any of its edges uses (a, b).
+        row = {z: 1.0}
+        for col, coef in ind.items():
+            row[col] = row.get(col, 0.0) - coef
+        prog.rows.append((0.0, float("inf"), row))
+
+
+def _pair_indicators(prog: Program, e: IlpEdge) -> dict[tuple[int, int], dict[int, float]]:
+    """For each (source layout a, destination layout b) of an edge, a linear expression over columns equal to 1
+    exactly when the edge carries a -> b: a sum of x where one side decides, else a transportation y."""
+    xs = prog.x[e.src]
+    A, B = len(e.cost), len(e.cost[0])
+    out: dict[tuple[int, int], dict[int, float]] = {}
+    if e.dst is None or B == 1:
+        for s, col in enumerate(xs):
+            out.setdefault((e.src_index[s], 0), {})[col] = 1.0
+        return out
+    xd = prog.x[e.dst]
+    if e.src == e.dst:
+        for s, col in enumerate(xs):
+            out.setdefault((e.src_index[s], e.dst_index[s]), {})[col] = 1.0
+        return out
+    if A == 1:
+        for t, col in enumerate(xd):
+            out.setdefault((0, e.dst_index[t]), {})[col] = 1.0
+        return out
+    y = [[prog.column() for _ in range(B)] for _ in range(A)]
+    prog.n_edge_vars += A * B
+    for a in range(A):
+        row = {y[a][b]: 1.0 for b in range(B)}
+        row.update({col: -1.0 for s, col in enumerate(xs) if e.src_index[s] == a})
+        prog.rows.append((0.0, 0.0, row))
+    for b in range(B):
+        row = {y[a][b]: 1.0 for a in range(A)}
+        row.update({col: -1.0 for t, col in enumerate(xd) if e.dst_index[t] == b})
+        prog.rows.append((0.0, 0.0, row))
+    return {(a, b): {y[a][b]: 1.0} for a in range(A) for b in range(B)}
+
+
+def _memory_rows(prog: Program, p: IlpProblem) -> None:
+    mem = p.memory
+    for k, v in mem.static.items():
+        for col, b in zip(prog.x[k], v):
+            if b:
+                prog.static[col] = prog.static.get(col, 0.0) + float(b)
+    prog.terms = [{col: float(b) for col, b in zip(prog.x[k], v) if b} for k, v in mem.terms]
+    prog.points = [dict(row) for row in mem.weights]
+
+
+def expanded_memory_rows(prog: Program) -> list[dict[int, float]]:
+    """Each candidate point's row over x alone (bytes per column)."""
+    out = []
+    for row in prog.points:
+        coefs = dict(prog.static)
+        for t, w in row.items():
+            for col, b in prog.terms[t].items():
+                coefs[col] = coefs.get(col, 0.0) + w * b
+        out.append(coefs)
+    return out

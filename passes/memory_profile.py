@@ -1,0 +1,161 @@
+"""Per-rank memory over the step's schedule as a linear function of the strategy choice.
+
+Memory at schedule point i is `static + sum_k W[i, k] * act_bytes[k][s_k]`: the persistent parameter state
+(`static`, one vector over each parameter key's strategies) plus, for every key k, the weight of its
+allocations live at i (how many of its instances are live, template layers kept from forward into backward
+counted L/k times) times the bytes one instance's outputs take under the key's strategy s_k. All members of a
+key share shapes, so a key has one bytes vector. The peak of a plan is the largest point; the integer program
+constrains every candidate point, so the plan it returns fits as the step simulator measures it.
+
+Liveness: an allocation lives from its node to its last reader (a view, or a tuple element, shares its base's
+allocation, and a view of a graph input holds none); gradients leave at once for the persistent gradient
+buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
+again during their backward uses, since codegen recomputes them in backward rather than saving them.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import operator
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.cost import VIEW_OPS, param_state_bytes
+from autopar.passes.annotate_shapes import _scale
+from autopar.passes.context import PassContext
+
+
+@dataclasses.dataclass
+class MemoryProfile:
+    keys: list[str]  # keys owning allocations, the columns of `weight`
+    act_bytes: dict[str, np.ndarray]  # key -> bytes of one instance's outputs per strategy
+    static: dict[str, np.ndarray]  # parameter key -> persistent bytes per strategy (all its instances)
+    weight: np.ndarray  # (points, len(keys)): live instances of each key at each schedule point
+
+    def peak(self, choice: dict[str, int]) -> tuple[float, float, int]:
+        """(static bytes, peak activation bytes, schedule point of the peak) under `choice`."""
+        static = sum(float(v[choice[k]]) for k, v in self.static.items())
+        b = np.array([self.act_bytes[k][choice[k]] for k in self.keys])
+        if not len(b):
+            return static, 0.0, 0
+        act = self.weight @ b
+        i = int(np.argmax(act))
+        return static, float(act[i]), i
+
+    def candidate_points(self) -> list[int]:
+        """Points that can be the peak under some choice: a point whose live weights are all at most another
+        point's is never above it, whatever the choice (bytes are never negative)."""
+        w = self.weight
+        if not len(w):
+            return []
+        # Largest total first: a point can only be dominated by one with a larger (or equal) total.
+        order = np.lexsort((np.arange(len(w)), -w.sum(axis=1)))
+        kept: list[int] = []
+        for i in order:
+            if kept and (w[kept] >= w[i] - 1e-12).all(axis=1).any():
+                continue
+            kept.append(int(i))
+        return sorted(kept)
+
+
+def memory_profile(ctx: PassContext) -> MemoryProfile:
+    """The profile of ctx's graph (built once per context)."""
+    if getattr(ctx, "memory_profile", None) is None:
+        ctx.memory_profile = _build(ctx)
+    return ctx.memory_profile
+
+
+def _build(ctx: PassContext) -> MemoryProfile:
+    cap = ctx.captured
+    nodes = list(cap.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    owner = _owners(nodes)
+    uses: dict[fx.Node, list[int]] = collections.defaultdict(list)
+    for u in nodes:
+        if u.op != "call_function":
+            continue
+        for a in u.all_input_nodes:
+            o = owner.get(a)
+            if o is not None:
+                uses[o].append(pos[u])
+    keys: list[str] = []
+    col: dict[str, int] = {}
+    act_bytes: dict[str, np.ndarray] = {}
+    events: list[tuple[int, int, int, float]] = []  # (lo, hi, column, weight)
+    for o in sorted(set(owner.values()) - {None}, key=pos.__getitem__):
+        key = ctx.key[o]
+        if key not in col:
+            col[key] = len(keys)
+            keys.append(key)
+            act_bytes[key] = _key_bytes(ctx, o)
+        fwd = [i for i in uses[o] if cap.phase[nodes[i]] == "fwd"]
+        bwd = [i for i in uses[o] if cap.phase[nodes[i]] == "bwd"]
+        w = 1.0
+        if o in ctx.param_derived and cap.phase[o] == "fwd":
+            spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
+        else:
+            if cap.phase[o] == "fwd" and bwd:
+                w = _scale(ctx, o)[1]
+            spans = [(pos[o], max(uses[o], default=pos[o]))]
+        events.extend((lo, hi, col[key], w) for lo, hi in spans)
+    delta = np.zeros((len(nodes) + 1, len(keys)))
+    for lo, hi, c, w in events:
+        delta[lo, c] += w
+        delta[hi + 1, c] -= w
+    weight = np.cumsum(delta, axis=0)[:len(nodes)]
+    return MemoryProfile(keys, act_bytes, _static(ctx), weight)
+
+
+def _static(ctx: PassContext) -> dict[str, np.ndarray]:
+    """Parameter, gradient and optimizer state (and the fp32 master copy) on each rank, per strategy of each
+    parameter key, summed over the parameters (and template-scaled layers) the key stands for."""
+    out: dict[str, np.ndarray] = {}
+    per_elem = param_state_bytes(1, ctx.precision)
+    for fqn, node in ctx.captured.params.items():
+        key = ctx.key[node]
+        numel = math.prod(node.meta["val"].shape)
+        shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
+        out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
+    return out
+
+
+def _owners(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:
+    """Per compute node, the node whose allocation holds its value: itself, or for a view (and a tuple getitem)
+    the owner of what it views, as the saved-activation estimate counts a saved view's base once; None for a
+    view of a graph input (a parameter's transpose), which holds no activation memory."""
+    owner: dict[fx.Node, fx.Node | None] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem or (getattr(n.target, "overloadpacket", None) in VIEW_OPS
+                                            and n.all_input_nodes):
+            a = n.args[0] if n.target is operator.getitem else n.all_input_nodes[0]
+            owner[n] = owner.get(a) if a.op == "call_function" else None
+        else:
+            owner[n] = n
+    return owner
+
+
+def _key_bytes(ctx: PassContext, n: fx.Node) -> np.ndarray:
+    """Bytes of a node's tensor outputs on one rank under each strategy of its key."""
+    from autopar.passes.estimate_costs import compute_dtype, local_bytes
+
+    val = n.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    out = []
+    for strat in ctx.strategies[ctx.key[n]]:
+        total = 0.0
+        for i, v in enumerate(vals):
+            if isinstance(v, torch.Tensor) and i < len(strat.outs):
+                total += local_bytes(tuple(v.shape), compute_dtype(v.dtype, ctx), strat.outs[i], ctx.mesh.shape)
+        out.append(total)
+    return np.array(out)
+
+
+def _shard(layout, sizes) -> int:
+    from torch.distributed.tensor import Shard
+
+    return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
