@@ -41,7 +41,38 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.compute_cost[key] = [count * base / split_of(s, ctx.mesh.shape) for s in strats]
     _memory(ctx)
     ctx.edge_cost = [_edge_cost(ctx, e) for e in ctx.edges]
+    ctx.edge_groups = _shared_redistributions(ctx)
     return gm
+
+
+def _shared_redistributions(ctx: PassContext) -> list[int | None]:
+    """Per edge, its group (None: alone). Edges carrying one value to several reads in one phase, alike in
+    count, form a group: codegen redistributes a value once per (layout, phase), so the group pays each layout
+    change once. Its edges get one list of destination layouts and one cost matrix."""
+    cap = ctx.captured
+    by_value: dict[tuple, list[int]] = {}
+    for i, e in enumerate(ctx.edges):
+        if e.kind not in ("activation", "param"):
+            continue
+        # A parameter-only value is recomputed in backward, so its gathers are counted per edge (count 2 for a
+        # gather done again in backward) rather than per phase.
+        phase = "" if e.kind == "param" else cap.phase[ctx.members[e.dst][0]]
+        by_value.setdefault((e.src, e.out, e.kind, phase, e.count), []).append(i)
+    groups: list[int | None] = [None] * len(ctx.edges)
+    for gid, members in enumerate(m for m in by_value.values() if len(m) > 1):
+        union: list[tuple] = []
+        for i in members:
+            union += [lay for lay in ctx.edge_cost[i].dst_layouts if lay not in union]
+        first = ctx.edge_cost[members[0]]
+        e = ctx.edges[members[0]]
+        dtype = compute_dtype(e.meta.dtype, ctx)
+        cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b) for b in union] for a in first.src_layouts]
+        for i in members:
+            c = ctx.edge_cost[i]
+            dst_index = [union.index(c.dst_layouts[j]) for j in c.dst_index]
+            ctx.edge_cost[i] = EdgeCost(c.src_layouts, union, cost, c.src_index, dst_index)
+            groups[i] = gid
+    return groups
 
 
 def _load_time(ctx: PassContext, key: str, node: fx.Node, strategy) -> float:
@@ -142,19 +173,37 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
             dst_index.append(dst_layouts.index(lay))
     dtype = ctx.precision.grad_dtype if e.kind == "grad" else compute_dtype(e.meta.dtype, ctx)
     # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
-    bucketed = e.kind == "grad"
-    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, bucketed) for b in dst_layouts]
+    grad = e.kind == "grad"
+    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, grad) for b in dst_layouts]
              for a in src_layouts]
     return EdgeCost(src_layouts, dst_layouts, cost, src_index, dst_index)
 
 
-def transition_cost(ctx: PassContext, shape, dtype, src, dst, bucketed: bool = False) -> float:
-    return _transition_cost(ctx.hw, ctx.mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed)
+def transition_cost(ctx: PassContext, shape, dtype, src, dst, grad: bool = False) -> float:
+    """Seconds to bring a value from layout `src` to `dst`; `grad`: a gradient reduced in buckets."""
+    return _transition_cost(ctx.hw, ctx.mesh, tuple(shape), dtype, tuple(src), tuple(dst), grad)
 
 
 @functools.lru_cache(maxsize=200_000)
-def _transition_cost(hw, mesh, shape, dtype, src, dst, bucketed) -> float:
-    return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst, bucketed))
+def _transition_cost(hw, mesh, shape, dtype, src, dst, grad) -> float:
+    if grad:
+        flat = flat_grad_reduction(hw, mesh, shape, dtype, src, dst)
+        if flat is not None:
+            return flat[1]
+    return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst, grad))
+
+
+def flat_grad_reduction(hw, mesh, shape, dtype, src, dst) -> tuple[tuple[int, ...], float] | None:
+    """(axes, seconds) of a gradient sum-all-reduced over two or more mesh axes: codegen reduces each bucket
+    once over the axes' flattened group (RankSpec.flat_groups), one ring over all their ranks, which runs at the
+    slowest of their links. None for any other reduction."""
+    steps = plan_steps(src, dst)
+    if len(steps) < 2 or not all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
+        return None
+    axes = tuple(sorted(st.axis for st in steps))
+    link = min((_link(hw, mesh.links[a], True) for a in axes), key=lambda lk: lk.bandwidth)
+    n = math.prod(mesh.shape[a] for a in axes)
+    return axes, collective_time("all_reduce", local_bytes(shape, dtype, src, mesh.shape), n, link)
 
 
 def _link(hw, kind: str, bucketed: bool):

@@ -13,7 +13,7 @@ import torch.fx as fx
 from autopar.cost import tensor_bytes
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.passes.estimate_costs import compute_dtype, step_costs
+from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, step_costs
 from autopar.passes.memory_profile import memory_profile
 from autopar.rules.base import flat_tensor_args, op_info
 
@@ -60,9 +60,24 @@ def simulate(ctx: PassContext) -> Simulation:
         grad_nodes[u].append((fqn, idx))
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
+    moved: dict[tuple, float] = {}  # (value, layout, phase) -> when the redistributed copy is ready
 
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
+        flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)) if bucketed else None
+        if flat is not None:  # one collective over the axes' flattened group: it holds all their links
+            axes, c = flat[0], flat[1] * scale
+            names = "+".join(mesh.axis_names[a] for a in axes)
+            comm_axis[f"{names}:all_reduce"] += c
+            for a in axes:
+                comm_bytes[mesh.axis_names[a]] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
+            begin = max([start] + [axis_free[a] for a in axes])
+            for a in axes:
+                axis_free[a] = begin + c
+            total_comm += c
+            if len(timeline) < 4000:
+                timeline.append((f"comm:{names}", label, begin, begin + c))
+            return begin + c
         t = start
         for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed):
             if not st.is_comm or c == 0:
@@ -95,13 +110,15 @@ def simulate(ctx: PassContext) -> Simulation:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         t_in = 0.0
         for i, a in enumerate(args):
-            src = _out_layout(ctx, a)
-            dst = strat.ins[i]
-            u = producer(a)[0]
-            regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
-            arrive = comm(info.inputs[i].shape, compute_dtype(info.inputs[i].dtype, ctx), src, dst, ready[a],
-                          scale * regather, ctx.captured.names[node])
-            t_in = max(t_in, arrive)
+            # Codegen redistributes a value once per layout and phase, however many ops read it so.
+            moved_key = (a, tuple(strat.ins[i]), cap.phase[node])
+            if moved_key not in moved:
+                u = producer(a)[0]
+                regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
+                moved[moved_key] = comm(info.inputs[i].shape, compute_dtype(info.inputs[i].dtype, ctx),
+                                        _out_layout(ctx, a), strat.ins[i], ready[a], scale * regather,
+                                        ctx.captured.names[node])
+            t_in = max(t_in, moved[moved_key])
         dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
         start = max(compute_free, t_in)
         compute_free = start + dur

@@ -26,6 +26,7 @@ from autopar.errors import SolverTimeout
 from autopar.solver.ilp import IlpEdge, IlpProblem, IlpResult, ProgramInfeasible, solve
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
+_TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one
 
 
 @dataclasses.dataclass
@@ -70,14 +71,45 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     if on_progress:
         on_progress("memory limit binds: warm start from the relaxation")
     t = time.perf_counter()
-    start = _warm_start(p, x, backend, deadline, seen)
+    keep = _union(_support(x), _least_static(p))
+    start = _warm_start(p, keep, backend, deadline, seen)
+    if not _within(start, lb, relative_gap / 2):
+        # The relaxation fills the limit exactly by mixing strategies; a plan needs room to spare, so add the
+        # strategies the relaxation uses under a tighter limit.
+        try:
+            _, x2 = relaxation_highs(dataclasses.replace(p, memory_limit=p.memory_limit * _TIGHTER),
+                                     _remaining(deadline))
+            second = _warm_start(p, _union(keep, _support(x2)), backend, deadline, seen)
+            if second is not None and (start is None or second.objective_s < start.objective_s):
+                start = second
+        except (ProgramInfeasible, SolverTimeout):
+            pass
     timings["warm_start_seconds"] = time.perf_counter() - t
-    if start is not None and start.objective_s - lb <= relative_gap * start.objective_s:
+    if _within(start, lb, relative_gap):
         r = dataclasses.replace(start, bound_s=lb, optimal=start.objective_s - lb <= 1e-4 * start.objective_s)
         r.stats.update(timings, status="OPTIMAL")
         return Bounded(r, "memory-bound: warm start within the gap", False)
     return _search(p, start, relative_gap, lb, backend, deadline, seen, timings, on_progress,
                    "memory-bound: warm start, then search")
+
+
+def _within(r: IlpResult | None, lb: float, gap: float) -> bool:
+    return r is not None and r.objective_s - lb <= gap * r.objective_s
+
+
+def _support(x: dict[str, list[float]]) -> dict[str, list[int]]:
+    return {k: [i for i, v in enumerate(vals) if v > _SUPPORT] for k, vals in x.items()}
+
+
+def _least_static(p: IlpProblem) -> dict[str, list[int]]:
+    """Per parameter key, its strategies of least persistent memory (the most sharded storage)."""
+    if p.memory is None:
+        return {}
+    return {k: [i for i, b in enumerate(v) if b <= min(v)] for k, v in p.memory.static.items()}
+
+
+def _union(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {k: sorted(set(v) | set(b.get(k, ()))) for k, v in a.items()}
 
 
 def _search(p: IlpProblem, start: IlpResult | None, gap: float, lb: float, backend: str, deadline: float | None,
@@ -97,10 +129,9 @@ def _search(p: IlpProblem, start: IlpResult | None, gap: float, lb: float, backe
     return Bounded(r, path, r.stats["status"] != "OPTIMAL")
 
 
-def _warm_start(p: IlpProblem, x: dict[str, list[float]], backend: str, deadline: float | None,
+def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadline: float | None,
                 seen: _Tracker) -> IlpResult | None:
-    """The best plan using only strategies the relaxation uses (None when they admit none)."""
-    keep = {k: [i for i, v in enumerate(vals) if v > _SUPPORT] for k, vals in x.items()}
+    """The best plan using only the strategies `keep` lists (None when they admit none)."""
     try:
         r = solve(restrict(p, keep), backend=backend, deadline=deadline)
     except (ProgramInfeasible, SolverTimeout):
