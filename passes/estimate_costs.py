@@ -27,6 +27,8 @@ class EdgeCost:
     cost: list[list[float]]  # [src][dst], seconds, already multiplied by the edge count
     src_index: list[int]  # per source strategy: index into src_layouts
     dst_index: list[int] | None  # per destination strategy (None: fixed destination, the loss)
+    # Gradient reductions: seconds on each mesh axis's links ({axis: [src][dst]}), for the overlap model.
+    axis_cost: dict[int, list[list[float]]] | None = None
 
 
 def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -176,7 +178,27 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
     grad = e.kind == "grad"
     cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, grad) for b in dst_layouts]
              for a in src_layouts]
-    return EdgeCost(src_layouts, dst_layouts, cost, src_index, dst_index)
+    axis_cost = None
+    if grad:
+        axis_cost = {ax: [[0.0] * len(dst_layouts) for _ in src_layouts] for ax in range(len(ctx.mesh.shape))}
+        for i, a in enumerate(src_layouts):
+            for j, b in enumerate(dst_layouts):
+                for ax, t in axis_times(ctx.hw, ctx.mesh, tuple(e.meta.shape), dtype, a, b).items():
+                    axis_cost[ax][i][j] = e.count * t
+    return EdgeCost(src_layouts, dst_layouts, cost, src_index, dst_index, axis_cost)
+
+
+def axis_times(hw, mesh, shape, dtype, src, dst) -> dict[int, float]:
+    """Seconds a bucketed gradient reduction holds each mesh axis's links (a flattened one holds all of its
+    axes for its whole time)."""
+    flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst))
+    if flat is not None:
+        return {ax: flat[1] for ax in flat[0]}
+    out: dict[int, float] = {}
+    for st, t in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), True):
+        if st.is_comm and t:
+            out[st.axis] = out.get(st.axis, 0.0) + t
+    return out
 
 
 def transition_cost(ctx: PassContext, shape, dtype, src, dst, grad: bool = False) -> float:

@@ -12,6 +12,7 @@ from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.ilp import IlpEdge, MemoryRows, ProgramInfeasible
+from autopar.redistribute import plan_steps
 from autopar.solver.prune import reduce_problem
 
 
@@ -23,27 +24,75 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
     compute = {k: list(ctx.compute_cost[k]) for k in n}
-    for key, (root, idx) in ctx.follow.items():
-        for i, j in enumerate(idx):
-            compute[root][i] += ctx.compute_cost[key][j]
+    backward = {k: [0.0] * n[k] for k in n}
+    for key in ctx.strategies:
+        root, idx = _root(ctx, key)
+        bwd = ctx.captured.phase.get(ctx.members[key][0]) == "bwd"
+        for i in range(n[root]):
+            c = ctx.compute_cost[key][i if idx is None else idx[i]]
+            if key != root:
+                compute[root][i] += c
+            if bwd:
+                backward[root][i] += c
     edges = []
-    # Gradient reductions overlap the rest of the backward: codegen issues each bucket as soon as its gradients
-    # exist, so what is left when the backward ends is about the last layer's bucket. A model of L repeated
-    # layers prices them at 1/(L+1) of their time (in full without repeated layers).
-    exposed = 1.0 / (sum(b.count for b in ctx.captured.blocks) + 1)
+    tail = _tail_shares(ctx)
     for e, c, group in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges)):
-        cost = [[exposed * v for v in row] for row in c.cost] if e.kind == "grad" else c.cost
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
         if e.kind == "loss":
-            edges.append(IlpEdge(src, None, src_index, None, cost))
+            edges.append(IlpEdge(src, None, src_index, None, c.cost))
             continue
         dst, dmap = _root(ctx, e.dst)
         dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
-        edges.append(IlpEdge(src, dst, src_index, dst_index, cost, group))
+        if e.kind == "grad":
+            share = tail(e.src)
+            edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, axis_cost=c.axis_cost, tail=share,
+                                 layered=0 < share < 1))
+        else:
+            edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, group, contends=_contends(ctx, e, c)))
+    layers = sum(b.count for b in ctx.captured.blocks)
     sc = ctx.config.solver
     return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
-                      memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)
+                      memory_limit=memory_limit, backward=backward,
+                      hidden=(layers - 1) / layers if layers else 0.0, seed=sc.seed, workers=sc.workers)
+
+
+def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
+    """For a layout change in the backward: per axis, which (source, destination) layout pairs hold a collective
+    on it. Such a collective runs on the axis's one communicator, behind the gradient reductions queued there:
+    inside the layers it waits for each layer's, after them for the backlog."""
+    cap = ctx.captured
+    if not cap.blocks or e.kind != "activation" or cap.phase.get(ctx.members[e.dst][0]) != "bwd":
+        return None
+    out: dict[int, list[list[bool]]] = {}
+    for i, a in enumerate(c.src_layouts):
+        for j, b in enumerate(c.dst_layouts):
+            for st in plan_steps(a, b):
+                if st.is_comm:
+                    out.setdefault(st.axis, [[False] * len(c.dst_layouts) for _ in c.src_layouts])[i][j] = True
+    return out or None
+
+
+def _tail_shares(ctx: PassContext):
+    """Share of a gradient's reduction still running when the backward ends, by where its producer sits: one
+    layer's worth (1/L) inside L repeated layers, all of it after the last layer's backward (an embedding),
+    none before the layers' backward (the output head, hidden behind them), all of it without repeated layers.
+    The step simulator overlaps reductions with the backward the same way; when they take longer than the
+    backward compute, the program's per-axis rows take over (see IlpProblem.backward)."""
+    cap = ctx.captured
+    layers = sum(b.count for b in cap.blocks)
+    pos = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
+    last_layer = max((pos[n] for n in cap.block_of if cap.phase.get(n) == "bwd"), default=None)
+
+    def share(key: str) -> float:
+        node = ctx.members[key][0]
+        if last_layer is None:
+            return 1.0
+        if node in cap.block_of:
+            return 1.0 / layers
+        return 1.0 if pos[node] > last_layer else 0.0
+
+    return share
 
 
 def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:

@@ -1,20 +1,20 @@
-"""Solve the placement program under a memory bound fast, and say how far from optimal the answer may be.
+"""Solve the placement program fast, under a memory bound or not, and say how far from optimal the answer may be.
 
-1. Solve the linear relaxation, memory rows included. Its optimum is a lower bound on the program's; when the
-   relaxation is infeasible no plan fits (a fast verdict); when its solution is integral, it is the optimal plan
-   (the usual case when the memory limit does not bind: without memory rows the relaxation of this program is
-   almost always integral).
-2. When no memory row is tight in the relaxation, the limit does not shape the optimum: solve the program to
-   optimality, as without a limit.
-3. Otherwise the limit binds, and the relaxation mixes sharded and replicated strategies fractionally. Solve the
-   program restricted to the strategies the relaxation uses (a small program, quick; RENS in the MIP
-   literature): its plan is the warm start. If it is already within `relative_gap` of the relaxation's bound,
-   stop there.
-4. Else solve the whole program from that start, stopping once the plan is proven within `relative_gap`.
+1. Solve the relaxation of the strategy booleans, memory rows included. Its optimum is a lower bound on the
+   program's; when it is infeasible no plan fits (a fast verdict); when its solution is integral and priced
+   as the program prices it, it is the optimal plan (the usual case when the memory limit does not bind).
+2. Otherwise solve the program restricted to the strategies the relaxation uses, plus, when the memory limit
+   binds, each parameter's most sharded storage (a small program, quick; RENS in the MIP literature). If its
+   plan is not within half the gap tolerance and memory binds, add the strategies a second relaxation uses
+   under a 10% tighter limit and solve again: the relaxation fills the limit exactly by mixing strategies, a
+   plan needs room to spare. The best of these plans is the warm start.
+3. If the warm start is within `relative_gap` of the relaxation's bound, stop. Else solve the whole program
+   from it, stopping once the plan is proven within `relative_gap`.
 
 The result carries the best proven bound, so a plan stopped at the gap reports how far from optimal it may be.
-Branch and bound closes the last few percent of a binding memory row only slowly, and that proof is what the
-gap tolerance skips. Every step is deterministic: the same inputs give the same plan unless the deadline passes.
+Branch and bound closes the last few percent only slowly (a binding memory row, or the exposed time of gradient
+reductions, makes the relaxation mix strategies fractionally), and that proof is what the gap tolerance skips.
+Every step is deterministic: the same inputs give the same plan unless the deadline passes.
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ import time
 from typing import Callable
 
 from autopar.errors import SolverTimeout
-from autopar.solver.ilp import IlpEdge, IlpProblem, IlpResult, ProgramInfeasible, solve
+from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, ProgramInfeasible, solve
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
 _TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one
+_WAITS = 0.01  # waits behind gradient reductions above this share of the objective: try the plan without them
 
 
 @dataclasses.dataclass
@@ -50,34 +51,54 @@ class _Tracker:
 
 def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float,
                   on_progress: Callable[[str], None] | None = None) -> Bounded:
+    out = _solve(p, backend, deadline, relative_gap, on_progress)
+    # Blocking backward collectives that wait behind gradient reductions are priced only after the fact (as
+    # rows they would need a big-M term and a weak relaxation): when they cost, compare with the best plan that
+    # keeps the worst axis, then every costly axis, free of them.
+    waits = p.waits(out.result.choice)
+    costly = sorted((ax for ax, w in waits.items() if w > _WAITS * p.objective(out.result.choice)),
+                    key=lambda ax: -waits[ax])
+    for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
+        try:
+            other = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress)
+        except (ProgramInfeasible, SolverTimeout):
+            continue
+        if p.objective(other.result.choice) < p.objective(out.result.choice):
+            out = dataclasses.replace(other, result=dataclasses.replace(other.result, bound_s=out.result.bound_s))
+    r = out.result
+    obj = p.objective(r.choice)
+    out.result = dataclasses.replace(r, objective_s=obj, bound_s=min(r.bound_s, obj),
+                                     optimal=obj - r.bound_s <= OPTIMALITY_TOLERANCE * obj)
+    return out
+
+
+def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float,
+           on_progress: Callable[[str], None] | None) -> Bounded:
     from autopar.solver.highs import relaxation_highs
 
-    seen, timings = _Tracker(p), {}
+    seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
     t = time.perf_counter()
     try:
-        lb, x = relaxation_highs(p, _remaining(deadline))
+        lb, x, size = relaxation_highs(p, _remaining(deadline))
     except SolverTimeout as e:
         raise _timeout(e, seen) from None
     timings["relaxation_seconds"] = time.perf_counter() - t
-    if all(max(v) > 1 - _SUPPORT for v in x.values()):
-        choice = {k: max(range(len(v)), key=v.__getitem__) for k, v in x.items()}
-        stats = {"backend": backend, "keys": len(x), "status": "OPTIMAL", "relaxation": "integral"}
-        return Bounded(IlpResult(choice, p.objective(choice), lb, True, dict(stats, **timings)),
-                       "relaxation integral", False)
     binding = p.memory is not None and p.memory_limit is not None and p.memory.peak(
         {k: {i: w for i, w in enumerate(v) if w > _SUPPORT} for k, v in x.items()}) >= p.memory_limit * (1 - 1e-9)
-    if not binding:
-        return _search(p, None, 0.0, lb, backend, deadline, seen, timings, on_progress, "memory not binding")
+    if all(max(v) > 1 - _SUPPORT for v in x.values()):
+        choice = {k: max(range(len(v)), key=v.__getitem__) for k, v in x.items()}
+        obj = p.objective(choice)
+        if obj - lb <= OPTIMALITY_TOLERANCE * obj:
+            stats = dict(size, backend=backend, status="OPTIMAL", memory_binds=binding, **timings)
+            return Bounded(IlpResult(choice, obj, lb, True, stats), "relaxation integral", False)
     if on_progress:
-        on_progress("memory limit binds: warm start from the relaxation")
+        on_progress("warm start from the relaxation")
     t = time.perf_counter()
-    keep = _union(_support(x), _least_static(p))
+    keep = _union(_support(x), _least_static(p)) if binding else _support(x)
     start = _warm_start(p, keep, backend, deadline, seen)
-    if not _within(start, lb, relative_gap / 2):
-        # The relaxation fills the limit exactly by mixing strategies; a plan needs room to spare, so add the
-        # strategies the relaxation uses under a tighter limit.
+    if binding and not _within(start, lb, relative_gap / 2):
         try:
-            _, x2 = relaxation_highs(dataclasses.replace(p, memory_limit=p.memory_limit * _TIGHTER),
+            _, x2, _ = relaxation_highs(dataclasses.replace(p, memory_limit=p.memory_limit * _TIGHTER),
                                      _remaining(deadline))
             second = _warm_start(p, _union(keep, _support(x2)), backend, deadline, seen)
             if second is not None and (start is None or second.objective_s < start.objective_s):
@@ -86,11 +107,13 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
             pass
     timings["warm_start_seconds"] = time.perf_counter() - t
     if _within(start, lb, relative_gap):
-        r = dataclasses.replace(start, bound_s=lb, optimal=start.objective_s - lb <= 1e-4 * start.objective_s)
-        r.stats.update(timings, status="OPTIMAL")
-        return Bounded(r, "memory-bound: warm start within the gap", False)
-    return _search(p, start, relative_gap, lb, backend, deadline, seen, timings, on_progress,
-                   "memory-bound: warm start, then search")
+        r = dataclasses.replace(start, bound_s=lb, optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
+        r.stats.update(size, status="OPTIMAL", memory_binds=binding, **timings)
+        return Bounded(r, "warm start within the gap", False)
+    out = _search(p, start, relative_gap, lb, backend, deadline, seen, timings, on_progress,
+                  "warm start, then search")
+    out.result.stats.update(memory_binds=binding)
+    return out
 
 
 def _within(r: IlpResult | None, lb: float, gap: float) -> bool:
@@ -143,12 +166,13 @@ def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadlin
 
 def restrict(p: IlpProblem, keep: dict[str, list[int]]) -> IlpProblem:
     """The program over the strategies `keep` lists per key (indices into p's strategies)."""
-    edges = [IlpEdge(e.src, e.dst, [e.src_index[i] for i in keep[e.src]],
-                     None if e.dst is None else [e.dst_index[i] for i in keep[e.dst]], e.cost, e.group)
+    edges = [dataclasses.replace(e, src_index=[e.src_index[i] for i in keep[e.src]],
+                                 dst_index=None if e.dst is None else [e.dst_index[i] for i in keep[e.dst]])
              for e in p.edges]
+    backward = None if p.backward is None else {k: [v[i] for i in keep[k]] for k, v in p.backward.items()}
     return dataclasses.replace(p, n_strategies={k: len(v) for k, v in keep.items()},
                                compute={k: [p.compute[k][i] for i in v] for k, v in keep.items()}, edges=edges,
-                               memory=None if p.memory is None else p.memory.restricted(keep))
+                               memory=None if p.memory is None else p.memory.restricted(keep), backward=backward)
 
 
 def _remaining(deadline: float | None) -> float | None:

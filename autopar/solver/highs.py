@@ -59,8 +59,8 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
     return IlpResult(choice, obj, bound, optimal, stats)
 
 
-def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]]]:
-    """The linear relaxation: (its optimum in seconds, a lower bound on the program's; x per key)."""
+def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]], dict]:
+    """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size)."""
     prog = build_program(p)
     proto = _model(prog, "time")
     del proto.variables.integers[:]
@@ -68,7 +68,9 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
     x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
-    return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x
+    size = {"variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
+            "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points)}
+    return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
 
 
 def _params(seed: int, remaining: float | None) -> parameters_pb2.SolveParametersProto:
@@ -102,6 +104,10 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     integer = list(prog.integer)
     cost = [c / SECONDS_PER_HIGHS_TIME_UNIT for c in prog.cost] if objective == "time" else [0.0] * prog.n_cols
     rows = [(lo, hi, dict(r)) for lo, hi, r in prog.rows]
+    if prog.exposed is not None:
+        cols_ub[prog.exposed] = _INF
+    u = SECONDS_PER_HIGHS_TIME_UNIT
+    rows += [(lo / u, _INF, {c: v / u for c, v in r.items()}) for r, lo in prog.time_rows]
     peak_col = None
     if prog.static or prog.terms:
         u = BYTES_PER_HIGHS_MEMORY_UNIT

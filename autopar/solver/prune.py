@@ -34,7 +34,7 @@ def reduce_problem(p: IlpProblem) -> Reduced:
         if not cost.any():
             continue
         si = np.asarray(e.src_index)
-        if e.group is not None:
+        if e.group is not None or e.axis_cost is not None or e.contends is not None:
             grouped.append(e)
         elif e.dst is None:
             linear[e.src] += cost[si, 0]
@@ -55,11 +55,12 @@ def reduce_problem(p: IlpProblem) -> Reduced:
                  for src, dst, si, di, cost in edges]
     for e in grouped:
         dst_index = None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]]
-        new_edges.append(IlpEdge(e.src, e.dst, [e.src_index[o] for o in kept[e.src]], dst_index, e.cost, e.group))
-    q = IlpProblem(n_strategies={k: len(v) for k, v in kept.items()},
-                   compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
-                   memory=None if p.memory is None else p.memory.restricted(kept), memory_limit=p.memory_limit,
-                   seed=p.seed, workers=p.workers)
+        new_edges.append(dataclasses.replace(e, src_index=[e.src_index[o] for o in kept[e.src]],
+                                             dst_index=dst_index))
+    backward = None if p.backward is None else {k: [v[o] for o in kept[k]] for k, v in p.backward.items()}
+    q = dataclasses.replace(p, n_strategies={k: len(v) for k, v in kept.items()},
+                            compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
+                            memory=None if p.memory is None else p.memory.restricted(kept), backward=backward)
     return Reduced(q, kept)
 
 
@@ -70,6 +71,9 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> lis
     if n < 2:
         return list(range(n))
     cols = [linear[key][:, None]]
+    if p.backward is not None and key in p.backward:
+        # Backward compute hides gradient reductions: less compute must not cost more exposed time.
+        cols.append((linear[key] - p.hidden * np.asarray(p.backward[key], dtype=float))[:, None])
     if p.memory is not None:
         cols += [np.asarray(v, dtype=float)[:, None] for k, v in p.memory.static.items() if k == key]
         cols += [np.asarray(b, dtype=float)[:, None] for k, b in p.memory.terms if k == key]
@@ -79,7 +83,17 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> lis
         elif dst == key:
             cols.append(cost[:, di].T)
     for e in grouped:
+        for m in (e.contends or {}).values():  # t must not wait on an axis s leaves free
+            _edge_columns(cols, key, e, np.asarray(m, dtype=float))
+        if e.axis_cost is not None:  # a gradient reduction: its tail and its time on each axis
+            for m in [np.asarray(e.cost, dtype=float) * e.tail] + [np.asarray(c, dtype=float)
+                                                                    for c in e.axis_cost.values()]:
+                _edge_columns(cols, key, e, m)
+            continue
         cost = np.asarray(e.cost, dtype=float)
+        if e.group is None:
+            _edge_columns(cols, key, e, cost)
+            continue
         if e.src == key and e.dst == key:
             same = [e.src_index, e.dst_index]
         elif e.src == key:
@@ -96,3 +110,14 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> lis
     idx = np.arange(n)
     dominated = (le & ~eq).any(axis=1) | (eq & (idx[None, :] < idx[:, None])).any(axis=1)
     return [int(i) for i in idx[~dominated]]
+
+
+def _edge_columns(cols: list, key: str, e: IlpEdge, m: np.ndarray) -> None:
+    """The cost matrix `m` of edge e as features of `key`'s strategies (its row, its column, or its entry)."""
+    si = np.asarray(e.src_index)
+    if e.src == key and e.dst == key:
+        cols.append(m[si, np.asarray(e.dst_index)][:, None])
+    elif e.src == key:
+        cols.append(m[si, :])
+    elif e.dst == key:
+        cols.append(m[:, np.asarray(e.dst_index)].T)
