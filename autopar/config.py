@@ -14,7 +14,7 @@ class SolverConfig:
     workers: int = 1
     # Under a binding memory limit, stop once the plan is proven within this fraction of the optimum (the plan
     # reports its gap and bound); 0 asks for a proof of optimality, which can take minutes on larger graphs.
-    relative_gap: float = 0.1
+    relative_gap: float = 0.02
     show_progress: bool = True
     # Shards of a tensor's innermost dim narrower than this many elements are not considered for compute
     # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory
@@ -23,6 +23,13 @@ class SolverConfig:
     # Drop strategies of multi-input ops that only forward a pending reduction (add(P, P) -> P,
     # mul(P, R) -> P): they postpone a reduction by one op and roughly double the program's edge variables.
     prune_partial_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("highs", "cp-sat"):
+            raise ValueError(f"unknown solver backend {self.backend!r}; use SolverConfig(backend=...) with one of: "
+                             "highs, cp-sat")
+        if not 0 <= self.relative_gap < 1:
+            raise ValueError(f"SolverConfig(relative_gap={self.relative_gap}) must be at least 0 and below 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -187,13 +187,22 @@ def _solver_text(plan: Any) -> str:
     s = plan.solver_stats
     parts = []
     if "optimal" in s:
-        parts.append("optimal" if s["optimal"] else "time limit hit, best found")
+        parts.append(gap_text(plan))
     for k, label in (("keys", "decisions"), ("variables", "variables")):
         if k in s:
             parts.append(f"{s[k]} {label}")
-    if s.get("refinements"):
-        parts.append(f"{s['refinements']} memory refinements")
+    if s.get("memory_binds"):
+        parts.append("memory limit binds")
     return ", ".join(parts)
+
+
+def gap_text(plan: Any) -> str:
+    """How far from optimal the plan may be: 'optimal', or its proven gap and the bound on the step time."""
+    s = plan.solver_stats
+    if s.get("optimal") or "gap" not in s:
+        return "optimal" if s.get("optimal") else "best found (no bound)"
+    return (f"within {s['gap']:.1%} of optimal (the program's step time {fmt_time(s['objective_s'])}, "
+            f"bound {fmt_time(s['bound_s'])})")
 
 
 def params_table(plan: Any) -> Table:
@@ -300,6 +309,8 @@ def format_summary(plan: Any) -> str:
              f"{fmt_time(plan.cost_breakdown.get('compute_s'))}, exposed comm "
              f"{fmt_time(plan.cost_breakdown.get('exposed_comm_s'))}); peak memory {_memory_text(plan)}",
              f"  techniques: {techniques_text(plan)}"]
+    if "optimal" in plan.solver_stats:
+        lines.append(f"  solver: {gap_text(plan)}")
     patterns: dict[str, list[str]] = {}
     for key, lay in sorted(plan.params.items()):
         patterns.setdefault(axis_layout(plan.mesh.axis_names, lay), []).append(key)

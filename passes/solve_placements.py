@@ -1,6 +1,7 @@
 """Run the integer program over the priced strategies under the memory limit, within the planning deadline."""
 from __future__ import annotations
 
+import math
 import time
 import warnings
 
@@ -11,6 +12,7 @@ from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import memory_profile
 from autopar.solver import IlpProblem, solve_bounded
+from autopar.solver.bounded import least_memory
 from autopar.solver.ilp import IlpEdge, MemoryRows, ProgramInfeasible
 from autopar.redistribute import plan_steps
 from autopar.solver.prune import reduce_problem
@@ -24,18 +26,11 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
     compute = {k: list(ctx.compute_cost[k]) for k in n}
-    backward = {k: [0.0] * n[k] for k in n}
-    for key in ctx.strategies:
-        root, idx = _root(ctx, key)
-        bwd = ctx.captured.phase.get(ctx.members[key][0]) == "bwd"
-        for i in range(n[root]):
-            c = ctx.compute_cost[key][i if idx is None else idx[i]]
-            if key != root:
-                compute[root][i] += c
-            if bwd:
-                backward[root][i] += c
+    for key, (root, idx) in ctx.follow.items():
+        for i, j in enumerate(idx):
+            compute[root][i] += ctx.compute_cost[key][j]
     edges = []
-    tail = _tail_shares(ctx)
+    exposed = _exposed_grad(ctx)
     for e, c, group in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges)):
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
@@ -45,16 +40,43 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
         dst, dmap = _root(ctx, e.dst)
         dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
         if e.kind == "grad":
-            share = tail(e.src)
-            edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, axis_cost=c.axis_cost, tail=share,
-                                 layered=0 < share < 1))
+            cost, layered = exposed(e, c)
+            edges.append(IlpEdge(src, dst, src_index, dst_index, cost, axis_cost=c.axis_cost, layered=layered))
         else:
             edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, group, contends=_contends(ctx, e, c)))
-    layers = sum(b.count for b in ctx.captured.blocks)
     sc = ctx.config.solver
     return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
-                      memory_limit=memory_limit, backward=backward,
-                      hidden=(layers - 1) / layers if layers else 0.0, seed=sc.seed, workers=sc.workers)
+                      memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)
+
+
+def _exposed_grad(ctx: PassContext):
+    """Prices a gradient reduction at the time it stays exposed, as the step simulator overlaps it: codegen issues
+    each bucket once its gradients exist and the reduction runs while the backward computes on. Reductions
+    share the backward, each hiding behind its share of it (by gradient size), (L-1)/L of it in a model of L
+    repeated layers (the last layer's reduction has none left to hide behind). What does not fit behind its
+    share is exposed, but never less than its tail: one layer's worth (1/L) inside the layers, all of it after
+    the last layer's backward (an embedding's), none before (the output head's), all of it without repeated
+    layers. The backward is priced at its best split (each op's cheapest strategy), so the price is linear."""
+    cap = ctx.captured
+    layers = sum(b.count for b in cap.blocks)
+    pos = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
+    last_layer = max((pos[n] for n in cap.block_of if cap.phase.get(n) == "bwd"), default=None)
+    backward = sum(min(ctx.compute_cost[k]) for k in ctx.strategies if ctx.members[k][0].op == "call_function"
+                   and cap.phase.get(ctx.members[k][0]) == "bwd")
+    size = {id(e): e.count * math.prod(e.meta.shape) for e in ctx.edges if e.kind == "grad"}
+    total = sum(size.values()) or 1.0
+    hidden = (layers - 1) / layers if layers else 0.0
+
+    def price(e, c) -> tuple[list[list[float]], bool]:
+        node = ctx.members[e.src][0]
+        if last_layer is None or pos[node] > last_layer:
+            tail = 1.0
+        else:
+            tail = 1.0 / layers if node in cap.block_of else 0.0
+        share = hidden * backward * size[id(e)] / total
+        return [[max(tail * v, v - share) for v in row] for row in c.cost], 0 < tail < 1
+
+    return price
 
 
 def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
@@ -71,28 +93,6 @@ def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
                 if st.is_comm:
                     out.setdefault(st.axis, [[False] * len(c.dst_layouts) for _ in c.src_layouts])[i][j] = True
     return out or None
-
-
-def _tail_shares(ctx: PassContext):
-    """Share of a gradient's reduction still running when the backward ends, by where its producer sits: one
-    layer's worth (1/L) inside L repeated layers, all of it after the last layer's backward (an embedding),
-    none before the layers' backward (the output head, hidden behind them), all of it without repeated layers.
-    The step simulator overlaps reductions with the backward the same way; when they take longer than the
-    backward compute, the program's per-axis rows take over (see IlpProblem.backward)."""
-    cap = ctx.captured
-    layers = sum(b.count for b in cap.blocks)
-    pos = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
-    last_layer = max((pos[n] for n in cap.block_of if cap.phase.get(n) == "bwd"), default=None)
-
-    def share(key: str) -> float:
-        node = ctx.members[key][0]
-        if last_layer is None:
-            return 1.0
-        if node in cap.block_of:
-            return 1.0 / layers
-        return 1.0 if pos[node] > last_layer else 0.0
-
-    return share
 
 
 def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:
@@ -134,7 +134,10 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     except ProgramInfeasible:
         _raise_infeasible(ctx)
     except SolverTimeout as e:
-        raise SolverTimeout(_timeout_message(ctx, getattr(e, "smallest_peak", None))) from None
+        smallest = getattr(e, "smallest_peak", None)
+        if smallest is None:
+            smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
+        raise SolverTimeout(_timeout_message(ctx, smallest)) from None
     result = out.result
     ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
     ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),

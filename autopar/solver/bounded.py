@@ -42,6 +42,8 @@ class _Tracker:
 
     def __init__(self, p: IlpProblem):
         self.p, self.smallest = p, None
+        if p.memory is not None:
+            self.see(least_memory(p))
 
     def see(self, choice: dict[str, int]) -> None:
         if self.p.memory is not None:
@@ -116,6 +118,22 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     return out
 
 
+def least_memory(p: IlpProblem) -> dict[str, int]:
+    """A plan of small peak found without a solver: per key, the strategy of least memory (the most sharded),
+    its live bytes weighted by how often the candidate points hold them."""
+    mem = p.memory
+    weight = [0.0] * len(mem.terms)
+    for row in mem.weights:
+        for t, w in row.items():
+            weight[t] += w
+    score = {k: [0.0] * n for k, n in p.n_strategies.items()}
+    for k, v in mem.static.items():
+        score[k] = [a + len(mem.weights) * b for a, b in zip(score[k], v)]
+    for (k, b), w in zip(mem.terms, weight):
+        score[k] = [a + w * x for a, x in zip(score[k], b)]
+    return {k: min(range(len(v)), key=v.__getitem__) for k, v in score.items()}
+
+
 def _within(r: IlpResult | None, lb: float, gap: float) -> bool:
     return r is not None and r.objective_s - lb <= gap * r.objective_s
 
@@ -169,10 +187,9 @@ def restrict(p: IlpProblem, keep: dict[str, list[int]]) -> IlpProblem:
     edges = [dataclasses.replace(e, src_index=[e.src_index[i] for i in keep[e.src]],
                                  dst_index=None if e.dst is None else [e.dst_index[i] for i in keep[e.dst]])
              for e in p.edges]
-    backward = None if p.backward is None else {k: [v[i] for i in keep[k]] for k, v in p.backward.items()}
     return dataclasses.replace(p, n_strategies={k: len(v) for k, v in keep.items()},
                                compute={k: [p.compute[k][i] for i in v] for k, v in keep.items()}, edges=edges,
-                               memory=None if p.memory is None else p.memory.restricted(keep), backward=backward)
+                               memory=None if p.memory is None else p.memory.restricted(keep))
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -19,12 +19,6 @@ def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: di
     prog = build_program(p)
     m = cp_model.CpModel()
     v = [m.NewBoolVar(f"v{i}") for i in range(prog.n_cols)]
-    unit = SECONDS_PER_CPSAT_TIME_UNIT
-    timed = {prog.exposed: prog.exposed_max} if prog.exposed is not None else {}
-    for col, bound in timed.items():  # E: integer time units
-        v[col] = m.NewIntVar(0, math.ceil(bound / unit) + 1, f"t{col}")
-    for row, lo in prog.time_rows:  # a time column's own coefficient is 1: it already counts time units
-        m.Add(sum((1 if col in timed else round(c / unit)) * v[col] for col, c in row.items()) >= round(lo / unit))
     for lo, hi, row in prog.rows:
         expr = sum(int(c) * v[col] for col, c in row.items())
         if lo == hi:
@@ -46,8 +40,8 @@ def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: di
         if prog.memory_limit is not None:
             for expr in mem_rows:
                 m.Add(expr <= int(prog.memory_limit // BYTES_PER_CPSAT_MEMORY_UNIT))
-        m.Minimize(sum((1 if i in timed else round(c / unit)) * v[i] for i, c in enumerate(prog.cost)
-                       if round(c / unit)))
+        unit = SECONDS_PER_CPSAT_TIME_UNIT
+        m.Minimize(sum(round(c / unit) * v[i] for i, c in enumerate(prog.cost) if round(c / unit)))
     if hint is not None:
         for k, cols in prog.x.items():
             for i, col in enumerate(cols):

@@ -104,10 +104,6 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     integer = list(prog.integer)
     cost = [c / SECONDS_PER_HIGHS_TIME_UNIT for c in prog.cost] if objective == "time" else [0.0] * prog.n_cols
     rows = [(lo, hi, dict(r)) for lo, hi, r in prog.rows]
-    if prog.exposed is not None:
-        cols_ub[prog.exposed] = _INF
-    u = SECONDS_PER_HIGHS_TIME_UNIT
-    rows += [(lo / u, _INF, {c: v / u for c, v in r.items()}) for r, lo in prog.time_rows]
     peak_col = None
     if prog.static or prog.terms:
         u = BYTES_PER_HIGHS_MEMORY_UNIT

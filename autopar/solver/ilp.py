@@ -55,12 +55,10 @@ class IlpEdge:
     dst_index: Sequence[int] | None
     cost: Sequence[Sequence[float]]
     group: int | None = None  # edges of one group share one redistribution per (source, destination) layout
-    # A gradient reduction overlapped with the backward: not priced on its own but through the exposed-time
-    # variable E (IlpProblem.backward); `tail` is the share of it still running when the backward ends, and
-    # `axis_cost` its seconds on each mesh axis's links.
+    # A gradient reduction of the repeated layers (`layered`): its seconds on each mesh axis's links, which a
+    # blocking backward collective on that axis waits behind (see IlpProblem.waits).
     axis_cost: dict[int, Sequence[Sequence[float]]] | None = None
-    tail: float = 1.0
-    layered: bool = False  # a reduction of repeated layers' gradients, issued once per layer
+    layered: bool = False
     # A blocking collective in the backward of repeated layers: per axis, whether (a, b) uses it. It waits
     # behind the gradient reductions queued on that axis (one communicator, one stream).
     contends: dict[int, Sequence[Sequence[bool]]] | None = None
@@ -106,36 +104,28 @@ class IlpProblem:
     edges: list[IlpEdge]
     memory: MemoryRows | None = None
     memory_limit: float | None = None
-    # Backward compute per strategy (seconds) and the fraction of it gradient reductions can hide behind.
-    backward: dict[str, Sequence[float]] | None = None
-    hidden: float = 0.0
     # Mesh axes on which no blocking backward collective may run (edges' `contends`): see `waits`.
     quiet_axes: frozenset[int] = frozenset()
+    # Copies of the edges that carry `contends` or `axis_cost`, for `waits` and `quiet_axes` alone (pruning
+    # folds the originals into per-strategy costs).
+    side_edges: list[IlpEdge] = dataclasses.field(default_factory=list)
     seed: int = 0
     workers: int = 1
 
     def objective(self, choice: dict[str, int]) -> float:
-        """Seconds the program charges for `choice`: shared redistributions once per group and layout pair,
-        gradient reductions as the time they stay exposed, max(tail, per-axis time - hidden * backward), plus,
-        on each axis where a blocking backward collective of the layers waits behind them, the layers'
-        reductions on that axis."""
+        """Seconds the program charges for `choice`: shared redistributions once per group and layout pair, plus
+        on each axis where a blocking backward collective waits behind the layers' gradient reductions, their
+        time there (`waits`)."""
         total = sum(self.compute[k][i] for k, i in choice.items())
         shared: dict[tuple, float] = {}
-        tail, axes = 0.0, {}
         for e in self.edges:
             a = e.src_index[choice[e.src]]
             b = 0 if e.dst is None else e.dst_index[choice[e.dst]]
-            if e.axis_cost is not None:
-                tail += e.tail * e.cost[a][b]
-                for ax, c in e.axis_cost.items():
-                    axes[ax] = axes.get(ax, 0.0) + c[a][b]
-            elif e.group is None:
+            if e.group is None:
                 total += e.cost[a][b]
             else:
                 shared[(e.group, a, b)] = e.cost[a][b]
-        hide = self.hidden * sum(v[choice[k]] for k, v in (self.backward or {}).items())
-        exposed = max([0.0, tail] + [g - hide for g in axes.values()])
-        return total + sum(shared.values()) + exposed + sum(self.waits(choice).values())
+        return total + sum(shared.values()) + sum(self.waits(choice).values())
 
     def waits(self, choice: dict[str, int]) -> dict[int, float]:
         """Per mesh axis where a blocking backward collective waits behind the layers' gradient reductions, the
@@ -144,7 +134,7 @@ class IlpProblem:
         would be too weak to solve fast."""
         layered: dict[int, float] = {}
         busy: set[int] = set()
-        for e in self.edges:
+        for e in self.edges + self.side_edges:
             a = e.src_index[choice[e.src]]
             b = 0 if e.dst is None else e.dst_index[choice[e.dst]]
             busy |= {ax for ax, m in (e.contends or {}).items() if m[a][b]}

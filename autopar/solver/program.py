@@ -24,10 +24,6 @@ class Program:
     static: dict[int, float] = dataclasses.field(default_factory=dict)
     terms: list[dict[int, float]] = dataclasses.field(default_factory=list)
     points: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    # Rows in seconds, (coefficients, lo) for lo <= row: the exposed time E of gradient reductions.
-    time_rows: list[tuple[dict[int, float], float]] = dataclasses.field(default_factory=list)
-    exposed: int | None = None
-    exposed_max: float = 0.0  # an upper bound on E (seconds)
     n_edge_vars: int = 0
 
     def column(self, integer: bool = False, cost: float = 0.0) -> int:
@@ -43,72 +39,34 @@ def build_program(p: IlpProblem) -> Program:
         prog.x[k] = [prog.column(True, float(c)) for c in p.compute[k]]
         prog.rows.append((1.0, 1.0, {c: 1.0 for c in prog.x[k]}))
     shared: dict[tuple, int] = {}
-    exposed: dict = {}
-    busy: dict[int, list[dict[int, float]]] = {}
     for e in p.edges:
-        if e.axis_cost is not None:
-            _overlapped(prog, e, exposed)
-        else:
-            _edge(prog, e, shared, busy)
-    if exposed:
-        _exposed_rows(prog, p, exposed)
-    for ax in sorted(p.quiet_axes):  # no blocking backward collective on these axes
-        for ind in busy.get(ax, []):
-            prog.rows.append((0.0, 0.0, ind))
+        _edge(prog, e, shared)
+    if p.quiet_axes:
+        _quiet(prog, [e for e in p.edges + p.side_edges if e.contends], p.quiet_axes)
     if p.memory is not None:
         _memory_rows(prog, p)
     return prog
 
 
-def _overlapped(prog: Program, e: IlpEdge, rows: dict) -> None:
-    """Add a gradient reduction's time to the exposed-time rows: its tail share, and its time on each axis."""
-    dearest: dict = {}
-    for (a, b), ind in _pair_indicators(prog, e).items():
-        terms = [("tail", e.tail * e.cost[a][b])] + [(ax, m[a][b]) for ax, m in e.axis_cost.items()]
-        for name, c in terms:
-            if c:
-                row = rows.setdefault(name, {})
-                for col, coef in ind.items():
-                    row[col] = row.get(col, 0.0) + coef * c
-                dearest[name] = max(dearest.get(name, 0.0), c)
-    # E never needs to exceed the largest row with every reduction at its dearest.
-    rows.setdefault("_max", {})
-    for name, c in dearest.items():
-        rows["_max"][name] = rows["_max"].get(name, 0.0) + c
-
-
-def _exposed_rows(prog: Program, p: IlpProblem, rows: dict) -> None:
-    """E >= tail and E >= (time on axis) - hidden * backward compute for every axis; E is priced in full."""
-    prog.exposed = e_col = prog.column(False, 1.0)
-    hide: dict[int, float] = {}
-    for k, v in (p.backward or {}).items():
-        for col, c in zip(prog.x[k], v):
-            if c:
-                hide[col] = hide.get(col, 0.0) + p.hidden * c
-    prog.exposed_max = max(rows["_max"].values(), default=0.0)
-    for name, row in rows.items():
-        if name == "_max":
+def _quiet(prog: Program, edges: list[IlpEdge], axes: frozenset[int]) -> None:
+    """No layout change of these edges may hold a collective on `axes`: the indicators of such pairs are 0."""
+    for e in edges:
+        uses = [m for ax, m in e.contends.items() if ax in axes]
+        if not uses:
             continue
-        r = {col: -c for col, c in row.items()}
-        if name != "tail":
-            for col, c in hide.items():
-                r[col] = r.get(col, 0.0) + c
-        r[e_col] = 1.0
-        prog.time_rows.append((r, 0.0))
+        row: dict[int, float] = {}
+        for (a, b), ind in _pair_indicators(prog, e).items():
+            if any(m[a][b] for m in uses):
+                for col, coef in ind.items():
+                    row[col] = row.get(col, 0.0) + coef
+        if row:
+            prog.rows.append((0.0, 0.0, row))
 
 
-def _edge(prog: Program, e: IlpEdge, shared: dict[tuple, int], busy: dict) -> None:
+def _edge(prog: Program, e: IlpEdge, shared: dict[tuple, int]) -> None:
     if all(c == 0 for row in e.cost for c in row):
         return
     indicators = _pair_indicators(prog, e)
-    for ax, uses in (e.contends or {}).items():
-        ind: dict[int, float] = {}
-        for (a, b), pair in indicators.items():
-            if uses[a][b]:
-                for col, coef in pair.items():
-                    ind[col] = ind.get(col, 0.0) + coef
-        if ind:
-            busy.setdefault(ax, []).append(ind)
     for (a, b), ind in indicators.items():
         c = float(e.cost[a][b])
         if e.group is None:

@@ -28,13 +28,16 @@ class Reduced:
 def reduce_problem(p: IlpProblem) -> Reduced:
     linear = {k: np.asarray(p.compute[k], dtype=float).copy() for k in p.n_strategies}
     pair_edges: dict[tuple, list] = collections.defaultdict(list)
-    grouped = []
+    grouped, side = [], list(p.side_edges)
     for e in p.edges:
+        if e.axis_cost is not None or e.contends is not None:
+            side.append(e)
+            e = dataclasses.replace(e, axis_cost=None, contends=None, layered=False)
         cost = np.asarray(e.cost, dtype=float)
         if not cost.any():
             continue
         si = np.asarray(e.src_index)
-        if e.group is not None or e.axis_cost is not None or e.contends is not None:
+        if e.group is not None:
             grouped.append(e)
         elif e.dst is None:
             linear[e.src] += cost[si, 0]
@@ -50,30 +53,29 @@ def reduce_problem(p: IlpProblem) -> Reduced:
             pair_edges[(e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), cost.shape)].append(cost)
     edges = [(src, dst, np.asarray(si), np.asarray(di), sum(costs))
              for (src, dst, si, di, _), costs in pair_edges.items()]
-    kept = {k: _undominated(k, n, linear, p, edges, grouped) for k, n in p.n_strategies.items()}
+    kept = {k: _undominated(k, n, linear, p, edges, grouped, side) for k, n in p.n_strategies.items()}
     new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
                  for src, dst, si, di, cost in edges]
     for e in grouped:
         dst_index = None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]]
         new_edges.append(dataclasses.replace(e, src_index=[e.src_index[o] for o in kept[e.src]],
                                              dst_index=dst_index))
-    backward = None if p.backward is None else {k: [v[o] for o in kept[k]] for k, v in p.backward.items()}
+    side = [dataclasses.replace(e, src_index=[e.src_index[o] for o in kept[e.src]],
+                                dst_index=None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]])
+            for e in side]
     q = dataclasses.replace(p, n_strategies={k: len(v) for k, v in kept.items()},
                             compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
-                            memory=None if p.memory is None else p.memory.restricted(kept), backward=backward)
+                            memory=None if p.memory is None else p.memory.restricted(kept), side_edges=side)
     return Reduced(q, kept)
 
 
-def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> list[int]:
+def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped, side) -> list[int]:
     """Strategy s is dropped when some t is no worse in compute, in every memory coefficient and in every edge's
     cost against every layout of the other end (ties keep the lower index). A shared redistribution is cheaper
     when its consumers agree on a layout, so there t must want the same layout as s."""
     if n < 2:
         return list(range(n))
     cols = [linear[key][:, None]]
-    if p.backward is not None and key in p.backward:
-        # Backward compute hides gradient reductions: less compute must not cost more exposed time.
-        cols.append((linear[key] - p.hidden * np.asarray(p.backward[key], dtype=float))[:, None])
     if p.memory is not None:
         cols += [np.asarray(v, dtype=float)[:, None] for k, v in p.memory.static.items() if k == key]
         cols += [np.asarray(b, dtype=float)[:, None] for k, b in p.memory.terms if k == key]
@@ -82,14 +84,10 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped) -> lis
             cols.append(cost[si, :])
         elif dst == key:
             cols.append(cost[:, di].T)
-    for e in grouped:
-        for m in (e.contends or {}).values():  # t must not wait on an axis s leaves free
+    for e in side:  # waits: t must not use an axis s leaves free, nor put more of the layers' reductions there
+        for m in [*(e.contends or {}).values(), *(e.axis_cost or {}).values()]:
             _edge_columns(cols, key, e, np.asarray(m, dtype=float))
-        if e.axis_cost is not None:  # a gradient reduction: its tail and its time on each axis
-            for m in [np.asarray(e.cost, dtype=float) * e.tail] + [np.asarray(c, dtype=float)
-                                                                    for c in e.axis_cost.values()]:
-                _edge_columns(cols, key, e, m)
-            continue
+    for e in grouped:
         cost = np.asarray(e.cost, dtype=float)
         if e.group is None:
             _edge_columns(cols, key, e, cost)

@@ -73,3 +73,26 @@ def vit(batch=4, **over):
 MODELS: dict[str, Callable[..., tuple[Any, tuple, dict]]] = {
     "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit,
 }
+
+
+def opt(batch=4, seq=32, **over):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return OPTForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def gpt_neox(batch=4, seq=32, **over):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                        attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return GPTNeoXForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+# Further architectures for benchmarks (benchmarks/plan_pressure.py); the tests run MODELS.
+MORE_MODELS: dict[str, Callable[..., tuple[Any, tuple, dict]]] = {"opt": opt, "gpt_neox": gpt_neox}
