@@ -1,6 +1,7 @@
 """Run the integer program over the priced strategies under the memory limit, within the planning deadline."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -138,7 +139,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         if smallest is None:
             smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
         raise SolverTimeout(_timeout_message(ctx, smallest)) from None
-    result = out.result
+    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
     ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
     ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
                             strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal,
@@ -149,6 +150,21 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
                       f"was reached before the solver proved optimality; returning the best plan found, within "
                       f"{result.gap:.1%} of optimal (raise solver_time_limit_s for a better bound)", stacklevel=2)
     return gm
+
+
+def _fastest(ctx: PassContext, reduced, results: list):
+    """The result whose plan the step simulator finds fastest (the first of equals)."""
+    if len(results) == 1:
+        return results[0]
+    from autopar.passes.simulate_step import simulate
+
+    def step(r) -> float:
+        ctx.choice = expand_choice(ctx, reduced.expand(r.choice))
+        return simulate(ctx).step_time
+
+    times = [step(r) for r in results]
+    best = min(range(len(results)), key=lambda i: (times[i], i))
+    return dataclasses.replace(results[best], stats=dict(results[best].stats, candidates_simulated=len(results)))
 
 
 def _timeout_message(ctx: PassContext, smallest_peak: float | None) -> str:

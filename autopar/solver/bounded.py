@@ -27,7 +27,7 @@ from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, Prog
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
 _TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one
-_WAITS = 0.01  # waits behind gradient reductions above this share of the objective: try the plan without them
+_WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
 
 
 @dataclasses.dataclass
@@ -35,6 +35,9 @@ class Bounded:
     result: IlpResult
     path: str  # how the plan was found
     timed_out: bool  # the deadline stopped the search: the plan is the best found, not proven within the gap
+    # Plans that keep axes free of blocking backward collectives waiting behind gradient reductions, for the
+    # step simulator to compare with `result` (the program cannot price those waits).
+    alternatives: list[IlpResult] = dataclasses.field(default_factory=list)
 
 
 class _Tracker:
@@ -54,23 +57,21 @@ class _Tracker:
 def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float,
                   on_progress: Callable[[str], None] | None = None) -> Bounded:
     out = _solve(p, backend, deadline, relative_gap, on_progress)
-    # Blocking backward collectives that wait behind gradient reductions are priced only after the fact (as
-    # rows they would need a big-M term and a weak relaxation): when they cost, compare with the best plan that
-    # keeps the worst axis, then every costly axis, free of them.
+    # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
+    # cannot price: when the expected wait is costly, offer the best plans that keep the worst axis, then every
+    # costly axis, free of them.
     waits = p.waits(out.result.choice)
-    costly = sorted((ax for ax, w in waits.items() if w > _WAITS * p.objective(out.result.choice)),
-                    key=lambda ax: -waits[ax])
+    costly = sorted((ax for ax, w in waits.items() if w > _WAITS * out.result.objective_s), key=lambda ax: -waits[ax])
     for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
         try:
             other = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress)
         except (ProgramInfeasible, SolverTimeout):
             continue
-        if p.objective(other.result.choice) < p.objective(out.result.choice):
-            out = dataclasses.replace(other, result=dataclasses.replace(other.result, bound_s=out.result.bound_s))
-    r = out.result
-    obj = p.objective(r.choice)
-    out.result = dataclasses.replace(r, objective_s=obj, bound_s=min(r.bound_s, obj),
-                                     optimal=obj - r.bound_s <= OPTIMALITY_TOLERANCE * obj)
+        # Its own bound holds only where the axes are quiet: the whole program's bound is the one to report.
+        r, bound = other.result, min(other.result.bound_s, out.result.bound_s)
+        out.alternatives.append(dataclasses.replace(
+            r, bound_s=bound, optimal=r.objective_s - bound <= OPTIMALITY_TOLERANCE * r.objective_s,
+            stats=dict(r.stats, quiet_axes=sorted(quiet))))
     return out
 
 

@@ -42,6 +42,9 @@ OPTIMALITY_TOLERANCE = 1e-4
 
 BACKENDS = ("highs", "cp-sat")
 
+# The share of the layers' gradient reductions on an axis that blocking backward collectives there wait for.
+WAIT_SHARE = 0.5
+
 
 class ProgramInfeasible(AutoparError):
     """The integer program has no solution (no choice fits the memory limit)."""
@@ -113,9 +116,7 @@ class IlpProblem:
     workers: int = 1
 
     def objective(self, choice: dict[str, int]) -> float:
-        """Seconds the program charges for `choice`: shared redistributions once per group and layout pair, plus
-        on each axis where a blocking backward collective waits behind the layers' gradient reductions, their
-        time there (`waits`)."""
+        """Seconds the program charges for `choice` (shared redistributions once per group and layout pair)."""
         total = sum(self.compute[k][i] for k, i in choice.items())
         shared: dict[tuple, float] = {}
         for e in self.edges:
@@ -125,13 +126,15 @@ class IlpProblem:
                 total += e.cost[a][b]
             else:
                 shared[(e.group, a, b)] = e.cost[a][b]
-        return total + sum(shared.values()) + sum(self.waits(choice).values())
+        return total + sum(shared.values())
 
     def waits(self, choice: dict[str, int]) -> dict[int, float]:
-        """Per mesh axis where a blocking backward collective waits behind the layers' gradient reductions, the
-        time they take there (one communicator per axis runs its collectives in order). The program prices
-        this only through `objective` and `quiet_axes`: as rows it would need a big-M term, and its relaxation
-        would be too weak to solve fast."""
+        """Per mesh axis where blocking backward collectives wait behind the layers' gradient reductions (one
+        communicator per axis runs its collectives in order), a rough expected wait: half the layers' reduction
+        time there (a collective issued at a random moment of a layer's backward finds half of that layer's
+        reductions still queued). The program cannot price this (as rows it needs a big-M term whose
+        relaxation is too weak to solve fast); solve_bounded uses it to decide when to offer a plan that keeps
+        the axis free of such collectives (`quiet_axes`), and the step simulator chooses between them."""
         layered: dict[int, float] = {}
         busy: set[int] = set()
         for e in self.edges + self.side_edges:
@@ -141,7 +144,7 @@ class IlpProblem:
             if e.axis_cost is not None and e.layered:
                 for ax, c in e.axis_cost.items():
                     layered[ax] = layered.get(ax, 0.0) + c[a][b]
-        return {ax: layered[ax] for ax in sorted(busy) if layered.get(ax)}
+        return {ax: WAIT_SHARE * layered[ax] for ax in sorted(busy) if layered.get(ax)}
 
     def fits(self, choice: dict[str, int]) -> bool:
         return self.memory is None or self.memory_limit is None or self.memory.usage(choice) <= self.memory_limit
