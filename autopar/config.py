@@ -14,7 +14,7 @@ class SolverConfig:
     workers: int = 1
     # Under a binding memory limit, stop once the plan is proven within this fraction of the optimum (the plan
     # reports its gap and bound); 0 asks for a proof of optimality, which can take minutes on larger graphs.
-    relative_gap: float = 0.02
+    relative_gap: float = 0.05
     show_progress: bool = True
     # Shards of a tensor's innermost dim narrower than this many elements are not considered for compute
     # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory

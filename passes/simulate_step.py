@@ -69,8 +69,9 @@ def simulate(ctx: PassContext) -> Simulation:
             axes, c = flat[0], flat[1] * scale
             names = "+".join(mesh.axis_names[a] for a in axes)
             comm_axis[f"{names}:all_reduce"] += c
+            nbytes = tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
             for a in axes:
-                comm_bytes[mesh.axis_names[a]] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
+                comm_bytes[mesh.axis_names[a]] += nbytes
             begin = max([start] + [axis_free[a] for a in axes])
             for a in axes:
                 axis_free[a] = begin + c

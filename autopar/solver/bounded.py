@@ -110,7 +110,8 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
             pass
     timings["warm_start_seconds"] = time.perf_counter() - t
     if _within(start, lb, relative_gap):
-        r = dataclasses.replace(start, bound_s=lb, optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
+        r = dataclasses.replace(start, bound_s=lb,
+                                optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
         r.stats.update(size, status="OPTIMAL", memory_binds=binding, **timings)
         return Bounded(r, "warm start within the gap", False)
     out = _search(p, start, relative_gap, lb, backend, deadline, seen, timings, on_progress,

@@ -61,15 +61,18 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
 
 def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]], dict]:
     """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size)."""
+    t0 = time.perf_counter()
     prog = build_program(p)
     proto = _model(prog, "time")
     del proto.variables.integers[:]
     proto.variables.integers.extend([False] * len(proto.variables.ids))
+    t1 = time.perf_counter()
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
     x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
     size = {"variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
-            "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points)}
+            "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
+            "build_seconds": t1 - t0, "solve_seconds": time.perf_counter() - t1}
     return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
 
 
@@ -82,8 +85,9 @@ def _params(seed: int, remaining: float | None) -> parameters_pb2.SolveParameter
 
 
 def _run(proto, params, model_params):
-    return core.solve(proto, parameters_pb2.SOLVER_TYPE_HIGHS, init_arguments.StreamableSolverInitArguments().to_proto(),
-                      params, model_params, None, callback_pb2.CallbackRegistrationProto(), None, None)
+    init = init_arguments.StreamableSolverInitArguments().to_proto()
+    return core.solve(proto, parameters_pb2.SOLVER_TYPE_HIGHS, init, params, model_params, None,
+                      callback_pb2.CallbackRegistrationProto(), None, None)
 
 
 def _check(res) -> dict[int, float]:

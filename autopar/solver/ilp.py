@@ -9,7 +9,8 @@ cost c_e[a,b] adds variables y[e,a,b] in [0,1] tied to x by transportation const
 so y[e,a,b] = 1 exactly when u outputs a and v wants b (integral once x is). Edges whose cost depends on one
 side only, or whose two ends share a key, are linear in x and need no y. A shared redistribution (one value
 consumed in one layout by several ops, redistributed once) gets z[g,a,b] >= y[e,a,b] for each of its edges e
-and is priced on z. The objective is
+and is priced on z. A gradient reduction's cost is the time it stays exposed after overlapping the backward
+(built by passes/solve_placements.py). The objective is
 
     min  sum_{k,s} compute[k,s] x[k,s]  +  sum_{e,a,b} c_e[a,b] y[e,a,b]  +  sum_{g,a,b} c_g[a,b] z[g,a,b]
 
@@ -18,7 +19,8 @@ and memory is bounded at every candidate peak point i of the schedule (`MemoryRo
     sum_k static[k,s] x[k,s]  +  sum_t w[i,t] sum_s bytes_t[s] x[key(t),s]  <=  limit     for every i
 
 (persistent parameter state plus the allocations live at i). With `objective="peak"` the program minimizes
-the largest of these rows instead. Both backends create variables in sorted key order and run
+the largest of these rows instead. On `quiet_axes`, the indicators of layout changes holding a blocking
+backward collective on those axes are 0. Both backends create variables in sorted key order and run
 single-threaded at a fixed seed, so the same inputs give the same plan whenever the solve ends before its
 deadline.
 """
