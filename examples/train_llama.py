@@ -72,7 +72,7 @@ def main() -> None:
         for fqn, lay in list(pm.plan.params.items())[:12]:
             print(f"  {fqn:40s} {fmt_layout(lay)}")
         if args.show_code:
-            print(pm.program.forward.code)
+            print(pm.program().forward.code)
 
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, eps=1e-6)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, eps=1e-6) if reference is not None else None
