@@ -51,6 +51,11 @@ class Captured:
     input_specs: list[tuple[tuple[int, ...], torch.dtype]]
     param_specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     capture_seconds: float = 0.0
+    # Forward nodes the model computes inside activation checkpointing (torch.utils.checkpoint, transformers'
+    # gradient_checkpointing_enable): recomputed in backward rather than saved.
+    checkpointed: set[fx.Node] = dataclasses.field(default_factory=set)
+    # Buffers the step updates in place (batch norm running statistics, counters): FQN -> the new value.
+    mutations: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -184,7 +189,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         args = tuple(_to_fake_input(a, mode) for a in example_inputs)
         kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
         try:
-            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), \
+            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), compat.compiling(), \
+                    compat.checkpoint_regions(), \
                     torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions())
                 gm = joint.graph_module
@@ -247,16 +253,18 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
         keep, others = present[0] if present else None, present[1:]
         for other in others:
             placeholders[other].replace_all_uses_with(placeholders[keep])
-            gk, go = values[grad_pos[keep]], values[grad_pos[other]]
-            if go is not None:
-                if gk is None:
-                    values[grad_pos[keep]] = go
-                else:
-                    with gm.graph.inserting_before(out):
-                        total = gm.graph.call_function(torch.ops.aten.add.Tensor, (gk, go))
-                    total.meta.update(gk.meta)
-                    values[grad_pos[keep]] = total
-            drop.add(grad_pos[other])
+            # A frozen tied weight (requires_grad=False under every name) has no gradient output at all.
+            if other in grad_pos:
+                gk, go = values[grad_pos[keep]], values[grad_pos[other]]
+                if go is not None:
+                    if gk is None:
+                        values[grad_pos[keep]] = go
+                    else:
+                        with gm.graph.inserting_before(out):
+                            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (gk, go))
+                        total.meta.update(gk.meta)
+                        values[grad_pos[keep]] = total
+                drop.add(grad_pos[other])
             gm.graph.erase_node(placeholders[other])
     out.args = (tuple(v for i, v in enumerate(values) if i not in drop),)
     out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
@@ -294,12 +302,23 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
     out = next(n for n in gm.graph.nodes if n.op == "output")
+    mutations = {}
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)
         if kind == "loss":
             loss = value
         elif kind == "grad_param" and value is not None:
             grads[_strip(what)] = value
+        elif kind == "mutated_buffer":
+            mutations[_strip(what)] = value
+        elif kind == "mutated_input":
+            raise CaptureError(f"the model changes its input {what} in place (an in-place op such as `x.add_()` "
+                               "or `x[...] = ...` on an argument of forward); autopar cannot carry that to the "
+                               "caller's tensor: compute on a copy (`x = x.clone()`) or out of place")
+        elif kind == "mutated_param":
+            raise CaptureError(f"the model changes the parameter {_strip(what)} in place during the step; only the "
+                               "optimizer may update parameters under autopar: make the update out of place, or "
+                               "keep the value in a buffer (register_buffer)")
     if loss is None:
         raise CaptureError("the traced graph has no loss output")
     module_of, phase = _attribute(gm, [b.prefix for b in blocks])
@@ -324,9 +343,11 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)(\.|$)", mod or "")
             if m:
                 block_of[node] = (b.prefix, int(m.group(1)))
+    checkpointed = {n for n, ph in phase.items() if ph == "fwd" and compat.checkpoint_region(n) is not None}
     cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
-                   block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs)
+                   block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
+                   checkpointed=checkpointed, mutations=mutations)
     return cap
 
 

@@ -328,6 +328,12 @@ CASES = (
         (aten.scatter.src, lambda: (_t(4, 6), 1, torch.randint(0, 6, (4, 2)), _t(4, 2)), {}),
         (aten.scatter_add.default, lambda: (_t(4, 6), 1, torch.randint(0, 6, (4, 6)), _t(4, 6)), {}),
         (aten.index_select.default, lambda: (_t(4, 6), 1, torch.tensor([0, 2, 5, 1])), {}),
+        # x[rows, cols] with broadcast index tensors (a padded batch's mask gather), adjacent and not, and with a
+        # dim taken whole in between (the advanced dims then go in front)
+        (aten.index.Tensor, lambda: (_t(4, 8), [torch.arange(4).view(4, 1, 1, 1), torch.arange(8).view(1, 1, 1, 8)]),
+         {}),
+        (aten.index.Tensor, lambda: (_t(4, 6, 8), [None, torch.tensor([[0, 5], [2, 3]])]), {}),
+        (aten.index.Tensor, lambda: (_t(4, 6, 8), [torch.tensor([1, 3]), None, torch.tensor([0, 7])]), {}),
         (aten.slice_scatter.default, lambda: (_t(4, 6), _t(4, 2), 1, 2, 4), {}),
         (aten.select_scatter.default, lambda: (_t(4, 6), _t(4), 1, 3), {}),
         (aten.constant_pad_nd.default, lambda: (_t(4, 6), [1, 2]), {}),

@@ -35,6 +35,7 @@ def generate(plan: Plan, cap: Captured, rank: RankSpec) -> Program:
                    buffers=buffers, inputs=inputs, saved=parts.saved, recomputed=parts.recomputed,
                    collectives=[*program_collectives(parts.forward, "forward", rank),
                                 *program_collectives(parts.backward, "backward", rank)],
+                   buffer_updates=list(joint.updates),
                    takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint)
 
 

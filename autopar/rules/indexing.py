@@ -8,7 +8,7 @@ from torch.distributed.tensor import Placement
 
 from autopar.layout import R, S
 from autopar.rules.base import AxisStrategy, OpInfo
-from autopar.rules.common import arg, dim_map, norm_dim, partial_through
+from autopar.rules.common import arg, bcast, dim_map, norm_dim, partial_through
 from autopar.rules.registry import register
 
 aten = torch.ops.aten
@@ -125,6 +125,28 @@ def index_select(info: OpInfo):
     dim = norm_dim(info.args[1], x.ndim)
     res = [AxisStrategy((S(d), R), (S(d),)) for d in range(x.ndim) if d != dim]
     res.append(AxisStrategy((R, S(0)), (S(dim),)))
+    return res + partial_through(info, (0,))
+
+
+@register(aten.index.Tensor)
+def index(info: OpInfo):
+    """x[i0, i1, ...] with index tensors (None for a dim taken whole). Dims of x no index touches pass through;
+    the broadcast index dims are sharded by sharding the index tensors along them (x replicated): the mask
+    gathers of a padded batch split over its rows. Linear in x for fixed indices."""
+    x, idx = info.inputs[0], list(info.args[1])
+    n_idx = len(idx)
+    taken = [k for k, t in enumerate(idx) if t is not None]
+    metas = [t for t in idx if t is not None]
+    b_ndim = max(m.ndim for m in metas)
+    # Advanced index dims land where the indexed dims were when those are adjacent, else in front (numpy rule).
+    front = taken[0] if taken == list(range(taken[0], taken[-1] + 1)) else 0
+    rest = [d for d in range(x.ndim) if d >= n_idx or idx[d] is None]
+    out_pos = {d: (i if i < front else i + b_ndim) for i, d in enumerate(rest)}
+    res = [AxisStrategy((S(d),) + (R,) * len(metas), (S(out_pos[d]),)) for d in rest]
+    for j in range(b_ndim):  # broadcast dim j of the indices -> output dim front + j
+        ins = tuple(bcast(m, j, b_ndim) for m in metas)
+        if any(p != R for p in ins):
+            res.append(AxisStrategy((R,) + ins, (S(front + j),)))
     return res + partial_through(info, (0,))
 
 

@@ -30,12 +30,23 @@ class _Runner:
                                  for g in (program.forward, program.backward))
         else:
             self._graphs = program.forward, program.backward
+        self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
+        # Buffers the step updates (batch norm statistics): their positions among the forward's inputs.
+        n = len(program.params)
+        self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor):
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
+        module does), and returns the loss and the tensors saved for backward."""
         with torch.autocast(self._device_type, enabled=False):
-            return self._graphs[0](*args)
+            out = self._graphs[0](*args)
+        k = len(self._updated)
+        with torch.no_grad():
+            for i, new in zip(self._updated, out[1:1 + k]):
+                args[i].copy_(new)
+        return out[0], out[1 + k:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
@@ -52,8 +63,7 @@ class _TrainStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> torch.Tensor:
         params = flat[:n_params]
-        out = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
-        loss, saved = out[0], out[1:]
+        loss, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
@@ -99,7 +109,7 @@ class ParallelModule(nn.Module):
         self._program = program
         self._build_eval_program = build_eval_program
         self._program_of_rank = program_of_rank
-        self._eval_programs: dict[tuple, Program] = {}
+        self._eval: dict[tuple, _Runner] = {}  # input signature -> the runner of its eval program
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
@@ -161,21 +171,25 @@ class ParallelModule(nn.Module):
     def eval_program(self, *args: Any, **kwargs: Any) -> Program:
         """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
         on first use, so call it on every rank."""
+        return self._eval_runner(args, kwargs).program
+
+    def _eval_runner(self, args: tuple, kwargs: dict) -> _Runner:
         key = _signature(args, kwargs)
-        if key not in self._eval_programs:
+        if key not in self._eval:
             prog = self._build_eval_program(args, kwargs)
             prog.forward.to(self._device)  # constants the program holds
-            self._eval_programs[key] = prog
-        return self._eval_programs[key]
+            self._eval[key] = _Runner(prog, self.mesh.device_type)
+        return self._eval[key]
 
     def _evaluate(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        prog = self.eval_program(*args, **kwargs)
+        runner = self._eval_runner(args, kwargs)
+        prog = runner.program
         leaves = compat.tree_leaves((args, kwargs))
         inputs = [self._eval_input(leaves[i.leaf], i.layout) for i in prog.inputs]
         params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
-        with torch.no_grad(), torch.autocast(self.mesh.device_type, enabled=False):
-            return prog.forward(*params, *buffers, *inputs, *self._next_seed(prog))[0]
+        with torch.no_grad():
+            return runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))[0]
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""

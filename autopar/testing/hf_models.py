@@ -70,6 +70,57 @@ def vit(batch=4, **over):
     return ViTForImageClassification(cfg), (x,), {"labels": labels}
 
 
+def gpt_neox(batch=4, seq=32, **over):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0,
+                        attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return GPTNeoXForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def opt(batch=4, seq=32, **over):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0, layerdrop=0.0, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return OPTForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def phi3(batch=4, seq=32, **over):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return Phi3ForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def falcon(batch=4, seq=32, **over):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_kv_heads=2, new_decoder_architecture=True, attention_dropout=0.0, hidden_dropout=0.0,
+                       max_position_embeddings=64, attn_implementation="sdpa", **over)
+    ids = _ids(batch, seq, cfg.vocab_size)
+    return FalconForCausalLM(cfg), (ids,), {"labels": ids}
+
+
 MODELS: dict[str, Callable[..., tuple[Any, tuple, dict]]] = {
     "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit,
+    "gpt_neox": gpt_neox, "opt": opt, "phi3": phi3, "falcon": falcon,
 }
+
+
+def padded(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention_mask, labels) for a batch whose row i holds lengths[i] real tokens, right-padded: the mask is
+    0 on the padding and the labels are -100 there (what a data collator for fine-tuning produces)."""
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return mask, labels
