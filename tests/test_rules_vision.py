@@ -85,16 +85,28 @@ def _unet():
     return Classifier(body, 16), _images((8, 3, 8, 8))
 
 
+def _hf(name: str, **sizes):
+    def build():
+        pytest.importorskip("transformers")
+        from autopar.testing.hf_models import MODELS as HF
+
+        model, args, kwargs = HF[name](batch=4, **sizes)
+        return model, args, kwargs
+    return build
+
+
 MODELS = {"cnn": _cnn, "cnn_eval": lambda: _cnn(train=False), "conv1d": _conv1d, "conv3d": _conv3d,
-          "unet": _unet}
+          "unet": _unet, "hf_resnet": _hf("resnet"), "hf_wav2vec2": _hf("wav2vec2", seq=8),
+          "hf_whisper": _hf("whisper", seq=8)}
 
 
 @functools.lru_cache(maxsize=None)
 def traced(name: str):
     torch.manual_seed(0)
-    model, args = MODELS[name]()
-    cap = capture(model, args)
-    calls = rule_check.record_calls(cap.gm, rule_check.placeholder_values(cap, model, args))
+    model, args, *kwargs = MODELS[name]()
+    kwargs = kwargs[0] if kwargs else {}
+    cap = capture(model, args, kwargs)
+    calls = rule_check.record_calls(cap.gm, rule_check.placeholder_values(cap, model, args, kwargs))
     return cap, calls
 
 
