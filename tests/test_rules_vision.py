@@ -31,13 +31,13 @@ class Classifier(nn.Module):
         return F.cross_entropy(self.head(self.body(x).flatten(1)), labels)
 
 
-def small_cnn() -> Classifier:
+def small_cnn(width: int = 8) -> Classifier:
     """Conv2d + BatchNorm2d + ReLU blocks (strided, dilated, depthwise), max, average and adaptive pooling."""
     body = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
-        nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.AdaptiveAvgPool2d(3), nn.AvgPool2d(2, stride=1))
-    return Classifier(body, 8 * 2 * 2)
+        nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(width, width, 3, stride=2, padding=2, dilation=2, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1, groups=width), nn.AdaptiveAvgPool2d(3), nn.AvgPool2d(2, stride=1))
+    return Classifier(body, width * 2 * 2)
 
 
 class _Sum(nn.Module):
