@@ -139,9 +139,9 @@ def constant_pad_nd(info: OpInfo):
 
 def _advanced(indices: Sequence) -> tuple[list[int], tuple[int, ...], bool] | None:
     """(indexed dims of self, broadcast shape of the index tensors, whether the indexed dims are adjacent), or
-    None for boolean masks (whose result size depends on the data)."""
+    None for boolean masks (whose result size depends on the data) and for no index at all."""
     tensors = [t for t in indices if t is not None]
-    if any(t.dtype == torch.bool for t in tensors):
+    if not tensors or any(t.dtype == torch.bool for t in tensors):
         return None
     dims = [i for i, t in enumerate(indices) if t is not None]
     shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
