@@ -10,6 +10,7 @@ from autopar.plan import NodePlan, Plan, Transition
 from autopar.redistribute import describe_steps, plan_steps
 
 N_ALTERNATIVES = 4
+TIMELINE_EVENTS = 1500  # simulated events kept in the plan for its timeline plot
 
 
 def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -48,8 +49,8 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         cost_breakdown={"compute_s": sim.compute_time, "comm_s": sim.comm_time, "exposed_comm_s": sim.exposed_comm,
                         "optimizer_s": sim.optimizer_time, **{f"comm[{k}]_s": v for k, v in sim.comm_by_axis.items()}},
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
-        memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name)
-    ctx.plan.simulation = sim
+        memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
+        comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]])
     return gm
 
 

@@ -12,8 +12,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.codegen.collectives import (GatherBucket, bucketed_all_reduce, bucketed_reduce_scatter, checked_steps,
-                                        emit_bucket_issue, emit_bucket_wait, redistribute)
+from autopar.codegen.collectives import (BUCKET_META, GatherBucket, bucketed_all_reduce, bucketed_reduce_scatter,
+                                        checked_steps, emit_bucket_issue, emit_bucket_wait, redistribute)
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.codegen import rng
@@ -262,6 +262,8 @@ class _Lowering:
     def _issue_bucket(self, bucket: GatherBucket) -> None:
         if bucket.issued is None:
             bucket.issued = emit_bucket_issue(self.b, bucket, [self._value(p) for p, _ in bucket.members], self.rank)
+            bucket.issued.meta[BUCKET_META] = tuple(self.cap.names[self._param_of(p)].split("/", 1)[1]
+                                                    for p, _ in bucket.members)
 
     def _redistribute(self, new: fx.Node, src: Layout, dst: Layout, phase: str, what: str) -> fx.Node:
         if src == dst:
@@ -269,7 +271,7 @@ class _Lowering:
         key = (new, dst, phase)
         if key not in self.cache:
             try:
-                self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name)
+                self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name, what=what)
             except CodegenError as e:
                 raise CodegenError(f"redistributing {what} from {fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
         return self.cache[key]

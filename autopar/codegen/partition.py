@@ -13,34 +13,18 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
-from autopar.codegen.schedule import functional, issue_input_collectives_early, simplify
+from autopar.codegen.schedule import issue_input_collectives_early, simplify
 
 
 @dataclasses.dataclass
-class LocalProgram:
-    """One rank's training step as two graphs plus the bookkeeping to call them."""
+class Split:
+    """A local joint graph cut in two: forward (params, buffers, inputs[, rng_seed] -> loss, *saved) and backward
+    (saved, tangents -> grads), and which forward values are saved or recomputed in backward."""
 
-    forward: fx.GraphModule  # (*params, *buffers, *inputs[, rng_seed]) -> (loss, *saved)
-    backward: fx.GraphModule  # (*saved, *tangents) -> (grad per param or None)
-    params: list[str]
-    buffers: list[str]
-    n_inputs: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
     saved: list[str]
     recomputed: list[str]
-    joint: LocalJoint
-    takes_seed: bool = False  # forward takes the step seed of codegen/rng.py last (the program draws dropout masks)
-    seed_as_tensor: bool = False  # ... as a 0-d int64 tensor (the functional form), else as an int
-
-    def functional(self) -> "LocalProgram":
-        """The same program with functional graphs only (no in-place collective), the form compilers take
-        (`torch.compile(prog.functional().backward)`, as `parallelize(compile=True)` does). Its forward takes
-        the step seed as a 0-d int64 tensor."""
-        return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward),
-                                   seed_as_tensor=self.takes_seed)
-
-    def code(self) -> str:
-        """The generated per-rank program as Python text."""
-        return f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
 
 
 def _random(node: fx.Node) -> bool:
@@ -48,7 +32,7 @@ def _random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def split(joint: LocalJoint) -> LocalProgram:
+def split(joint: LocalJoint) -> Split:
     graph = joint.gm.graph
     phase = joint.phase
     params, buffers = list(joint.params.values()), list(joint.buffers.values())
@@ -101,10 +85,7 @@ def split(joint: LocalJoint) -> LocalProgram:
         simplify(gm.graph)
         gm.graph.lint()
         gm.recompile()
-    return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
-                        n_inputs=len(joint.inputs), saved=[s.name for s in saved],
-                        recomputed=sorted(n.name for n in recompute), joint=joint,
-                        takes_seed=joint.rng_seed is not None)
+    return Split(fwd, bwd, [s.name for s in saved], sorted(n.name for n in recompute))
 
 
 def _is_wait(n: fx.Node) -> bool:

@@ -1,7 +1,7 @@
 """ParallelModule: DTensor parameters and the generated per-rank program run as one autograd.Function."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -9,14 +9,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from autopar import _torch_compat as compat
-from autopar.codegen import LocalProgram
+from autopar.codegen import functional
 from autopar.codegen.rng import step_seed
 from autopar.layout import fmt_layout
-from autopar.plan import Plan
+from autopar.program import Program
 from autopar.runtime.state import as_dtensor, local_shard, mesh_coords, mesh_device
-
-if TYPE_CHECKING:
-    from autopar.runtime.evaluate import EvalProgram, Evaluator
 
 
 class _Runner:
@@ -24,11 +21,11 @@ class _Runner:
     its plan priced (Config.mixed_precision), and a caller's autocast region must not recast it.
 
     With `compile`, the graphs run compiled by torch.compile (inductor: Triton kernels on GPU, C++ on CPU),
-    each on its first call, from their functional form (LocalProgram.functional)."""
+    each on its first call, from their functional form (autopar.codegen.functional)."""
 
-    def __init__(self, program: LocalProgram, device_type: str, compile: bool = False):
+    def __init__(self, program: Program, device_type: str, compile: bool = False):
         if compile:
-            program = program.functional()
+            program = functional(program)
             self._graphs = tuple(torch.compile(g, dynamic=False, fullgraph=True)
                                  for g in (program.forward, program.backward))
         else:
@@ -81,29 +78,28 @@ class ParallelModule(nn.Module):
     - train mode, grad enabled: the training program (forward now, backward on `loss.backward()`);
     - train mode under `torch.no_grad()`: the training forward, its tensors for backward dropped at once
       (train-mode semantics, dropout on; the planned input shapes only);
-    - eval mode (`pm.eval()`), grad enabled or not: the model's eval-mode loss from a forward-only program
-      (see autopar.runtime.evaluate), for inputs of any shape; the loss never requires grad (`pm.train()` to
-      train). Each new input signature is captured and planned on its first call, on every rank.
+    - eval mode (`pm.eval()`), grad enabled or not: the model's eval-mode loss from a forward-only program,
+      for inputs of any shape; the loss never requires grad (`pm.train()` to train). Each new input signature
+      gets its program from `build_eval_program(args, kwargs)` on its first call, on every rank.
 
-    The module keeps a reference to the model `parallelize` was given, whose structure those eval captures
-    trace (its weights are never read).
+    Built by `autopar.parallelize`, which hands it the training Program and the callables that build more
+    programs (`build_eval_program`, `program_of_rank`); it never captures or plans itself. `params` values
+    that are already `nn.Parameter`s (holding DTensors) are registered as they are, so a caller can keep
+    references to them.
     """
 
-    def __init__(self, *, plan: Plan, program: LocalProgram, mesh: DeviceMesh, params: dict[str, DTensor],
+    def __init__(self, *, program: Program, mesh: DeviceMesh, params: dict[str, torch.Tensor],
                  buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
-                 input_specs: list[tuple[tuple[int, ...], torch.dtype]], input_layouts: list[tuple],
-                 input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator,
-                 rng_seed: int = 0, compile: bool = False):
+                 requires_grad: dict[str, bool], build_eval_program: Callable[[tuple, dict], Program],
+                 program_of_rank: Callable[[int], Program] | None = None, rng_seed: int = 0,
+                 compile: bool = False):
         super().__init__()
-        self.plan = plan
-        self.program = program
+        self.plan = program.plan
         self.mesh = mesh
-        self._evaluator = evaluator
-        self._param_order = list(program.params)
-        self._buffer_order = list(program.buffers)
-        self._input_specs = input_specs
-        self._input_layouts = input_layouts
-        self._input_leaves = input_leaves
+        self._program = program
+        self._build_eval_program = build_eval_program
+        self._program_of_rank = program_of_rank
+        self._eval_programs: dict[tuple, Program] = {}
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
@@ -111,11 +107,12 @@ class ParallelModule(nn.Module):
         program.forward.to(self._device)  # constants the program holds
         program.backward.to(self._device)
         self._runner = _Runner(program, mesh.device_type, compile)
-        for fqn in self._param_order:
-            p = nn.Parameter(params[fqn], requires_grad=requires_grad.get(fqn, True))
+        for fqn in program.param_names:
+            t = params[fqn]
+            p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:
                 _container(self, name).register_parameter(name.rpartition(".")[2], p)
-        for fqn in self._buffer_order:
+        for fqn in program.buffer_names:
             _container(self, fqn).register_buffer(fqn.rpartition(".")[2], buffers[fqn],
                                                   persistent=fqn not in non_persistent)
 
@@ -123,15 +120,16 @@ class ParallelModule(nn.Module):
     @property
     def input_placements(self) -> list[tuple[Placement, ...]]:
         """Per tensor input (flattened args then kwargs), its placements in mesh_dim_names order."""
-        return list(self._input_layouts)
+        return [tuple(i.layout) for i in self._program.inputs]
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.training:
             return self._evaluate(args, kwargs)
+        prog = self._program
         inputs = self._local_inputs(args, kwargs)
-        params = [self.get_parameter(f) for f in self._param_order]
-        buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
-        seed = self._next_seed(self.program, self._runner.seed_as_tensor)
+        params = [self.get_parameter(f) for f in prog.param_names]
+        buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
+        seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
             return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
         return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
@@ -142,7 +140,7 @@ class ParallelModule(nn.Module):
         rank with the same values; see autopar/codegen/rng.py for what the masks depend on."""
         self._rng_base, self._rng_step = int(seed), int(step)
 
-    def _next_seed(self, program: LocalProgram, as_tensor: bool = False) -> list:
+    def _next_seed(self, program: Program, as_tensor: bool = False) -> list:
         """The step seed a program that draws dropout masks takes as its last input (an int, or a 0-d int64
         tensor for a compiled program); one per call."""
         if not program.takes_seed:
@@ -151,19 +149,33 @@ class ParallelModule(nn.Module):
         seed = step_seed(self._rng_base, self._rng_step - 1)
         return [torch.tensor(seed, dtype=torch.int64) if as_tensor else seed]
 
-    def eval_program(self, *args: Any, **kwargs: Any) -> EvalProgram:
-        """The forward-only program (`.program`) and its plan (`.plan`) that eval-mode calls with inputs like
-        these run; captured and planned on first use, so call it on every rank."""
-        return self._evaluator.program(args, kwargs)
+    def program(self, rank: int | None = None) -> Program:
+        """The training Program of global rank `rank` (print it to read its code, collectives and buckets);
+        None: the one this rank runs. Another rank's is generated here with placeholder group names."""
+        if rank is None or rank == self._program.rank.rank:
+            return self._program
+        if self._program_of_rank is None:
+            raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
+        return self._program_of_rank(rank)
+
+    def eval_program(self, *args: Any, **kwargs: Any) -> Program:
+        """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
+        on first use, so call it on every rank."""
+        key = _signature(args, kwargs)
+        if key not in self._eval_programs:
+            prog = self._build_eval_program(args, kwargs)
+            prog.forward.to(self._device)  # constants the program holds
+            self._eval_programs[key] = prog
+        return self._eval_programs[key]
 
     def _evaluate(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        entry = self._evaluator.program(args, kwargs)
+        prog = self.eval_program(*args, **kwargs)
         leaves = compat.tree_leaves((args, kwargs))
-        inputs = [self._eval_input(leaves[i], lay) for i, lay in zip(entry.input_leaves, entry.input_layouts)]
-        params = [compat.dtensor_local(self.get_parameter(f)) for f in entry.program.params]
-        buffers = [_local(self.get_buffer(f)) for f in entry.program.buffers]
+        inputs = [self._eval_input(leaves[i.leaf], i.layout) for i in prog.inputs]
+        params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
+        buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         with torch.no_grad(), torch.autocast(self.mesh.device_type, enabled=False):
-            return entry.program.forward(*params, *buffers, *inputs, *self._next_seed(entry.program))[0]
+            return prog.forward(*params, *buffers, *inputs, *self._next_seed(prog))[0]
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""
@@ -182,8 +194,8 @@ class ParallelModule(nn.Module):
     def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves = compat.tree_leaves((args, kwargs))
         out = []
-        for i, (leaf_idx, (shape, dtype), layout) in enumerate(zip(self._input_leaves, self._input_specs,
-                                                                   self._input_layouts)):
+        for i, spec in enumerate(self._program.inputs):
+            leaf_idx, shape, dtype, layout = spec.leaf, spec.shape, spec.dtype, spec.layout
             if leaf_idx >= len(leaves):
                 raise ValueError(f"the model was planned with at least {leaf_idx + 1} inputs (args then kwargs), "
                                  f"got {len(leaves)}")
@@ -210,7 +222,7 @@ class ParallelModule(nn.Module):
     # --- inspection and state ------------------------------------------------------------------------------
     def local_code(self) -> str:
         """This rank's generated forward and backward programs as Python text."""
-        return self.program.code()
+        return self._program.code()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
@@ -238,7 +250,14 @@ class ParallelModule(nn.Module):
 
     def extra_repr(self) -> str:
         mesh = dict(zip(self.plan.mesh.axis_names, self.plan.mesh.shape))
-        return f"mesh={mesh}, params={len(self._param_order)}"
+        return f"mesh={mesh}, params={len(self._program.params)}"
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a traced program depends on: the nesting of the inputs, each tensor's global shape and dtype, and
+    every other value (baked into the graph)."""
+    leaves, spec = compat.tree_flatten((args, kwargs))
+    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
