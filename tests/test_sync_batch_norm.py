@@ -66,17 +66,15 @@ def test_decomposed_batch_norm_rules_match_execution_on_a_sharded_batch(decompos
 def _plan_batch_sharded_convolutions():
     """Data parallelism forced on the convolutions of a CNN whose activations are large (8 MiB each): the plan
     and the captured graph it was made on."""
-    from autopar.api import make_context
-    from autopar.passes import PASSES, run_passes
+    from autopar.compiler import compile_plan
 
     torch.manual_seed(0)
     model, args = small_cnn(32), (torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,)))
     pins = {"*": (Replicate(),), "act:*/fwd/convolution": (Shard(0),)}
     cfg = autopar.Config(device="h100", pins=pins, input_placements={0: (Shard(0),), 1: (Shard(0),)},
                          solver=autopar.SolverConfig(show_progress=False))
-    ctx = make_context(model, autopar.fake_mesh((4,), ("dp",)), args, None, None, cfg, template_layers=None)
-    run_passes(ctx.captured.gm, ctx, PASSES)
-    return ctx.plan, ctx.captured
+    comp = compile_plan(model, autopar.fake_mesh((4,), ("dp",)), args, config=cfg, template_layers=None)
+    return comp.plan, comp.captured
 
 
 def test_fused_batch_norm_gathers_the_batch_where_the_decomposition_reduces_statistics(monkeypatch):
