@@ -6,13 +6,13 @@ The fused kernels (`_native_batch_norm_legit_functional`, `native_batch_norm_bac
 and spatial dims divided by the global count (the captured graph has global shapes), which the existing rules
 shard: a batch-sharded `sum` gives a Partial, the planner prices the all-reduce that makes it whole before the
 normalization reads it, and codegen emits it. Forward takes two all-reduces of one value per channel: the mean,
-then the sum of squared deviations from it (the two-pass variance: SyncBatchNorm's single collective of sums
-and sums of squares would cancel catastrophically where the mean is large against the spread, and differ from
-the one-device kernel by far more than rounding). Backward takes two more: the sums of grad_output and of
-grad_output times the normalized input. The running statistics come
-from the global mean and variance, so they stay exact under any layout. Channel-sharded and replicated layouts stay legal: every op here
-shards channels. The price is kernels: about ten elementwise passes instead of one fused one (the cost model
-counts them), which only a batch-sharded layout repays.
+then the sum of squared deviations from it (a two-pass variance; one collective of sums and sums of squares
+would cancel catastrophically where the mean is large against the spread, and SyncBatchNorm's stable single
+collective gathers each rank's mean and variance and merges them, a combination no sum expresses). Backward
+takes two more: the sums of grad_output and of grad_output times the normalized input. The running statistics
+come from the global mean and variance, so they stay exact under any layout. Channel-sharded and replicated
+layouts stay legal: every op here shards channels. The price is kernels: about ten elementwise passes instead
+of one fused one (the cost model counts them), which only a batch-sharded layout repays.
 """
 from __future__ import annotations
 
