@@ -395,8 +395,12 @@ def test_rule_matches_execution_outside_models(case):
 
 
 def test_every_registered_rule_is_exercised():
-    """Each registered op appears in a model graph or an op case above, or is exempt for a stated reason."""
-    covered = set().union(*(_ops(name) for name in MODELS)) | {c[0] for c in CASES}
+    """Each registered op appears in a model graph or an op case here or in test_rules_vision.py, or is exempt for a
+    stated reason."""
+    import test_rules_vision as vision
+
+    covered = set().union(*(_ops(name) for name in MODELS), *(vision.ops(name) for name in vision.MODELS))
+    covered |= {c[0] for c in CASES + vision.CASES}
     covered |= {t.overloadpacket for t in covered}
     exempt = {aten.scalar_tensor, aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided,
               aten.arange}  # no tensor input: all-replicate only
