@@ -56,6 +56,8 @@ class Captured:
     checkpointed: set[fx.Node] = dataclasses.field(default_factory=set)
     # Buffers the step updates in place (batch norm running statistics, counters): FQN -> the new value.
     mutations: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    # FQNs of the batch norm modules that run in training mode (they compute batch statistics).
+    batch_norms: list[str] = dataclasses.field(default_factory=list)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -160,18 +162,23 @@ def _to_fake_input(x: Any, mode) -> Any:
     return x
 
 
-def _decompositions() -> dict:
+def _decompositions(batch_norm_sums: bool = False) -> dict:
     from torch._decomp import get_decompositions
 
     # Loss reductions become sum / count so a sharded batch reduces exactly (uneven ignore_index too).
     aten = torch.ops.aten
-    return get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
-                               aten.nll_loss2d_backward, aten.mse_loss, aten.mse_loss_backward])
+    out = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
+                              aten.nll_loss2d_backward, aten.mse_loss, aten.mse_loss_backward])
+    if batch_norm_sums:  # training batch norm as per-channel sums: a batch-sharded input uses global statistics
+        from autopar.rules.sync_batch_norm import DECOMPOSITIONS
+
+        out.update(DECOMPOSITIONS)
+    return out
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
             loss_fn: LossFn | None = None, *, template_layers: int | None = None,
-            autocast_dtype: torch.dtype | None = None) -> Captured:
+            autocast_dtype: torch.dtype | None = None, batch_norm_sums: bool = False) -> Captured:
     """Trace model+loss into a joint graph. With `template_layers=k`, repeated layer stacks are cut to k
     layers during the trace (the planner scales their costs back up), so capture time does not grow with depth.
 
@@ -180,7 +187,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     policy is autocast's CPU op lists whatever the target device, since the trace runs on CPU fake tensors
     (CUDA autocast cannot be traced without a GPU) and one policy makes a plan's graph the same on every host.
     Without it, autocast is off during the trace even inside a caller's autocast region, so the graph is the
-    precision planned."""
+    precision planned. With `batch_norm_sums`, training batch norm is traced as per-channel sums
+    (autopar/rules/sync_batch_norm.py), which a batch-sharded layout reduces across ranks: global statistics, as
+    SyncBatchNorm computes them."""
     t0 = time.perf_counter()
     kwargs = dict(example_kwargs or {})
     mode = compat.fake_tensor_mode()
@@ -192,7 +201,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
             with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), compat.compiling(), \
                     compat.checkpoint_regions(), \
                     torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-                joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions())
+                joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions(batch_norm_sums))
                 gm = joint.graph_module
         except ValueError:
             raise
@@ -203,6 +212,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     _dedupe_casts(gm)
     cap = _describe(gm, block_list)
     cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
+    cap.batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                       and m.training and n in set(cap.module_of.values())]
     cap.capture_seconds = time.perf_counter() - t0
     return cap
 

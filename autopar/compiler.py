@@ -62,7 +62,7 @@ def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     if progress:
         progress.update("capturing the joint forward+backward graph")
     cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
-                  autocast_dtype=precision.autocast_dtype)
+                  autocast_dtype=precision.autocast_dtype, batch_norm_sums=config.sync_batch_norm)
     ctx = PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
                       progress=progress)
     annotate_shapes_pass(cap.gm, ctx)

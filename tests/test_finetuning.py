@@ -66,7 +66,7 @@ CASES = {
     "falcon": ("falcon", {"pad", "freeze"}, "fsdp"),
     "bert": ("bert", {"pad"}, "fsdp"),
     "t5": ("t5", {"pad"}, "fsdp"),
-    "cnn": ("cnn", set(), "fsdp"),
+    "cnn": ("cnn", set(), "sync-bn"),  # data parallel over both axes: batch norm needs global statistics
 }
 FROZEN = ("embed", "wte", "word_embeddings", "q_proj", "query_key_value", "q.weight", "query.weight")
 
@@ -102,9 +102,13 @@ def plan_json(case: str) -> str:
     from autopar.recipes import plan_recipe
 
     model, inputs, _ = build(case)
-    p = plan_recipe(CASES[case][2], model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs,
-                    config=Config(solver=QUIET, template_layers=None), quiet=True)
-    return p.to_json()
+    mesh, config = autopar.fake_mesh(SHAPE, NAMES, "cpu"), Config(solver=QUIET, template_layers=None)
+    if CASES[case][2] == "sync-bn":  # weights sharded (FSDP), convolutions on batch shards over every rank
+        batch = (Shard(0), Shard(0))
+        config = config.with_(pins={"blocks.*.weight": batch, "act:*/fwd/convolution": batch},
+                              input_placements={0: batch, 1: batch})
+        return autopar.plan(model, mesh, inputs, config=config).to_json()
+    return plan_recipe(CASES[case][2], model, mesh, inputs, config=config, quiet=True).to_json()
 
 
 def _train(model, inputs, distributed: bool) -> dict:
@@ -170,6 +174,8 @@ def test_trains_like_one_device(case):
     plan = Plan.from_json(plan_json(case))
     sharded = [k for k, lay in plan.params.items() if any(isinstance(p, Shard) for p in lay)]
     assert sharded, f"the {CASES[case][2]} plan of {case} shards no weight"
+    if case == "cnn":  # every batch norm sees a quarter of the batch and all-reduces its statistics
+        assert plan.batch_norms == {f"blocks.{i}.1": "global over dp+tp" for i in range(3)}, plan.batch_norms
     results = pool.run(train_parallel, case, plan.to_json())
     ref, got = reference(case), results[0]
     for rank, r in enumerate(results):
@@ -227,3 +233,19 @@ def test_a_mutated_input_is_refused():
     with pytest.raises(autopar.CaptureError, match=r"changes its input .* in place.*clone"):
         autopar.plan(Mutates(), autopar.fake_mesh(2, "dp", "cpu"), (torch.randn(4, 4),),
                      config=Config(solver=QUIET))
+
+
+def test_frozen_weights_hold_no_gradient_or_optimizer_state_in_the_memory_model():
+    plans = {}
+    for freeze in (False, True):
+        torch.manual_seed(0)
+        model, args, kwargs = MODELS["qwen2"](batch=4, seq=16)
+        if freeze:
+            model.model.embed_tokens.weight.requires_grad_(False)  # tied with lm_head: one tensor
+        plans[freeze] = autopar.plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
+                                     config=Config(solver=QUIET, template_layers=None, pins={"*": (Shard(0), Shard(0))},
+                                                   input_placements={0: (Shard(0), Shard(0))}))
+    embed = 128 * 64 // 4  # elements of the embedding on each rank
+    full, frozen = plans[False].memory_breakdown, plans[True].memory_breakdown
+    assert full["params"] == frozen["params"]
+    assert full["grads"] - frozen["grads"] == embed * 4 and full["optimizer"] - frozen["optimizer"] == embed * 8

@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar import capture as capture_module
 from autopar.rules import axis_strategies, fmt_strategy, op_info
-from autopar.rules.sync_batch_norm import DECOMPOSITIONS, batch_norm_backward, batch_norm_training
+from autopar.rules.sync_batch_norm import batch_norm_backward, batch_norm_training
 from autopar.testing import rule_check
 from test_rules_vision import small_cnn
 
@@ -41,16 +41,10 @@ def test_decomposition_matches_the_fused_kernels(affine, stats):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
-@pytest.fixture
-def decomposing(monkeypatch):
-    base = capture_module._decompositions
-    monkeypatch.setattr(capture_module, "_decompositions", lambda: {**base(), **DECOMPOSITIONS})
-
-
-def test_decomposed_batch_norm_rules_match_execution_on_a_sharded_batch(decomposing):
+def test_decomposed_batch_norm_rules_match_execution_on_a_sharded_batch():
     torch.manual_seed(0)
     model, args = small_cnn(), (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
-    cap = capture_module.capture(model, args)
+    cap = capture_module.capture(model, args, batch_norm_sums=True)
     targets = {n.target for n in cap.compute_nodes()}
     assert not targets & {aten._native_batch_norm_legit_functional.default, aten.native_batch_norm_backward.default}
     stats = next(n for n in cap.compute_nodes() if n.target is aten.sum.dim_IntList and list(n.args[1]) == [0, 2, 3])
@@ -63,7 +57,7 @@ def test_decomposed_batch_norm_rules_match_execution_on_a_sharded_batch(decompos
     assert not errors, "\n".join(errors[:20])
 
 
-def _plan_batch_sharded_convolutions():
+def _plan_batch_sharded_convolutions(sync_batch_norm: bool):
     """Data parallelism forced on the convolutions of a CNN whose activations are large (8 MiB each): the plan
     and the captured graph it was made on."""
     from autopar.compiler import compile_plan
@@ -72,19 +66,17 @@ def _plan_batch_sharded_convolutions():
     model, args = small_cnn(32), (torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,)))
     pins = {"*": (Replicate(),), "act:*/fwd/convolution": (Shard(0),)}
     cfg = autopar.Config(device="h100", pins=pins, input_placements={0: (Shard(0),), 1: (Shard(0),)},
-                         solver=autopar.SolverConfig(show_progress=False))
+                         sync_batch_norm=sync_batch_norm, solver=autopar.SolverConfig(show_progress=False))
     comp = compile_plan(model, autopar.fake_mesh((4,), ("dp",)), args, config=cfg, template_layers=None)
     return comp.plan, comp.captured
 
 
-def test_fused_batch_norm_gathers_the_batch_where_the_decomposition_reduces_statistics(monkeypatch):
-    fused, _ = _plan_batch_sharded_convolutions()
+def test_fused_batch_norm_gathers_the_batch_where_the_decomposition_reduces_statistics():
+    fused, _ = _plan_batch_sharded_convolutions(sync_batch_norm=False)
     into_bn = [t for t in fused.transitions if t.dst == "body.1/fwd/_native_batch_norm_legit_functional"]
     assert [t.steps for t in into_bn] == ["all_gather[dp] dim 0"]
 
-    base = capture_module._decompositions
-    monkeypatch.setattr(capture_module, "_decompositions", lambda: {**base(), **DECOMPOSITIONS})
-    plan, cap = _plan_batch_sharded_convolutions()
+    plan, cap = _plan_batch_sharded_convolutions(sync_batch_norm=True)
     mean = plan.nodes["body.1/fwd/sum"]
     assert (mean.ins, mean.outs) == ([(Shard(0),)], [(Partial(),)])  # the first statistic, summed per rank
     reductions = [t for t in plan.transitions if t.kind == "activation" and t.src.startswith("body.1/")]
