@@ -41,6 +41,17 @@ class Finetune(nn.Module):
         return self.model(ids, attention_mask=attention_mask, labels=labels, **extra).loss
 
 
+class Labeled(nn.Module):
+    """model(inputs, labels=labels).loss, for the vision and audio models."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return self.model(x, labels=labels).loss
+
+
 class CNN(nn.Module):
     """Conv + BatchNorm + ReLU blocks (no conv bias: batch norm subtracts it), a pooled linear head, cross-entropy
     inside forward."""
@@ -67,6 +78,11 @@ CASES = {
     "bert": ("bert", {"pad"}, "fsdp"),
     "t5": ("t5", {"pad"}, "fsdp"),
     "cnn": ("cnn", set(), "sync-bn"),  # data parallel over both axes: batch norm needs global statistics
+    # vision and audio: convolutions, batch norm (ResNet), layer norm over channels (ConvNeXt), an encoder-decoder
+    "resnet": ("resnet", set(), "fsdp"),
+    "convnext": ("convnext", set(), "fsdp"),
+    "wav2vec2": ("wav2vec2", set(), "fsdp"),
+    "whisper": ("whisper", set(), "fsdp"),
 }
 FROZEN = ("embed", "wte", "word_embeddings", "q_proj", "query_key_value", "q.weight", "query.weight")
 
@@ -78,6 +94,9 @@ def build(case: str):
     if kind == "cnn":
         gen = torch.Generator().manual_seed(1)
         return CNN(), (torch.randn(8, 3, 8, 8, generator=gen), torch.randint(0, 10, (8,), generator=gen)), []
+    if kind in ("resnet", "convnext", "wav2vec2", "whisper"):
+        model, args, kwargs = MODELS[kind](batch=4)
+        return Labeled(model), (*args, kwargs["labels"]), []
     model, args, _ = MODELS[kind](batch=4, seq=16)
     ids = args[0]
     mask, labels = padded(ids, LENGTHS)
