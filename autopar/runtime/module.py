@@ -1,6 +1,7 @@
 """ParallelModule: DTensor parameters and the generated per-rank program run as one autograd.Function."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,6 +78,18 @@ class _TrainStep(torch.autograd.Function):
         return (None, None, *grads, *([None] * ctx.n_rest))
 
 
+@dataclasses.dataclass
+class Built:
+    """A training program for a ParallelModule: the Program, the parameters and buffers as DTensors in its
+    layouts, and the callables that build the module's further programs (eval inputs, another rank's)."""
+
+    program: Program
+    params: dict[str, DTensor]
+    buffers: dict[str, DTensor]
+    build_eval_program: Callable[[tuple, dict], Program]
+    program_of_rank: Callable[[int], Program] | None = None
+
+
 class ParallelModule(nn.Module):
     """A model parallelized by a Plan. Parameters are DTensors on the mesh (placements in mesh_dim_names
     order) registered under the model's FQNs; calling the module runs one forward pass and returns the
@@ -92,50 +105,80 @@ class ParallelModule(nn.Module):
       for inputs of any shape; the loss never requires grad (`pm.train()` to train). Each new input signature
       gets its program from `build_eval_program(args, kwargs)` on its first call, on every rank.
 
-    Built by `autopar.parallelize`, which hands it the training Program and the callables that build more
-    programs (`build_eval_program`, `program_of_rank`); it never captures or plans itself. `params` values
-    that are already `nn.Parameter`s (holding DTensors) are registered as they are, so a caller can keep
-    references to them.
+    Built by `autopar.parallelize`, which hands it either a `Built` training program or a `build(args, kwargs)`
+    callable that makes one from the first call's inputs (every rank makes that call); a Built carries the
+    callables that make further programs (`build_eval_program`, `program_of_rank`). The module never captures
+    or plans itself. Its parameters are registered at construction and keep their identity: when the program
+    arrives, each one takes the plan's placements in place (`torch.utils.swap_tensors`), so an optimizer made
+    before the first call steps the sharded parameters.
     """
 
-    def __init__(self, *, program: Program, mesh: DeviceMesh, params: dict[str, torch.Tensor],
-                 buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
-                 requires_grad: dict[str, bool], build_eval_program: Callable[[tuple, dict], Program],
-                 program_of_rank: Callable[[int], Program] | None = None, rng_seed: int = 0,
+    def __init__(self, *, mesh: DeviceMesh, params: dict[str, torch.Tensor], buffers: dict[str, DTensor],
+                 aliases: dict[str, list[str]], non_persistent: set[str], requires_grad: dict[str, bool],
+                 built: Built | None = None, build: Callable[[tuple, dict], Built] | None = None, rng_seed: int = 0,
                  compile: bool = False):
         super().__init__()
-        self.plan = program.plan
+        self.plan = None
         self.mesh = mesh
-        self._program = program
-        self._build_eval_program = build_eval_program
-        self._program_of_rank = program_of_rank
+        self._program: Program | None = None
+        self._build = build
+        self._compile = compile
         self._eval: dict[tuple, _Runner] = {}  # input signature -> the runner of its eval program
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
+        self._non_persistent = non_persistent
         self.manual_seed(rng_seed)
-        program.forward.to(self._device)  # constants the program holds
-        program.backward.to(self._device)
-        self._runner = _Runner(program, mesh.device_type, compile)
-        for fqn in program.param_names:
-            t = params[fqn]
+        for fqn, t in params.items():
             p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:
                 _container(self, name).register_parameter(name.rpartition(".")[2], p)
+        for fqn, b in buffers.items():
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], b, persistent=fqn not in non_persistent)
+        if built is not None:
+            self._install(built, params_registered=True)
+
+    def _install(self, built: Built, params_registered: bool = False) -> None:
+        """Take a training program: its parameters' placements into the registered Parameter objects (unless
+        they were registered from `built` itself), its buffers, its runner."""
+        program = built.program
+        for fqn in [] if params_registered else program.param_names:
+            p = self.get_parameter(fqn)
+            torch.utils.swap_tensors(p, nn.Parameter(built.params[fqn], requires_grad=p.requires_grad))
         for fqn in program.buffer_names:
-            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], buffers[fqn],
-                                                  persistent=fqn not in non_persistent)
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], built.buffers[fqn],
+                                                  persistent=fqn not in self._non_persistent)
+        program.forward.to(self._device)  # constants the program holds
+        program.backward.to(self._device)
+        self._program, self.plan = program, program.plan
+        self._runner = _Runner(program, self.mesh.device_type, self._compile)
+        self._build_eval_program, self._program_of_rank = built.build_eval_program, built.program_of_rank
+        self._build = None
+
+    def _planned(self, args: tuple, kwargs: dict) -> Program:
+        """The training program, built from these inputs on the first call when none was given."""
+        if self._program is None:
+            if self._build is None:
+                raise ValueError("this ParallelModule has no program and no way to build one")
+            self._install(self._build(args, kwargs))
+        return self._program
 
     # --- running -------------------------------------------------------------------------------------------
     @property
     def input_placements(self) -> list[tuple[Placement, ...]]:
         """Per tensor input (flattened args then kwargs), its placements in mesh_dim_names order."""
-        return [tuple(i.layout) for i in self._program.inputs]
+        return [tuple(i.layout) for i in self._require_program().inputs]
+
+    def _require_program(self) -> Program:
+        if self._program is None:
+            raise ValueError("the ParallelModule plans on its first call: call it once with a batch (on every "
+                             "rank), or pass example_inputs to autopar.parallelize to plan ahead")
+        return self._program
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        prog = self._planned(args, kwargs)
         if not self.training:
             return self._evaluate(args, kwargs)
-        prog = self._program
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
@@ -162,8 +205,9 @@ class ParallelModule(nn.Module):
     def program(self, rank: int | None = None) -> Program:
         """The training Program of global rank `rank` (print it to read its code, collectives and buckets);
         None: the one this rank runs. Another rank's is generated here with placeholder group names."""
-        if rank is None or rank == self._program.rank.rank:
-            return self._program
+        prog = self._require_program()
+        if rank is None or rank == prog.rank.rank:
+            return prog
         if self._program_of_rank is None:
             raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
         return self._program_of_rank(rank)
@@ -171,6 +215,7 @@ class ParallelModule(nn.Module):
     def eval_program(self, *args: Any, **kwargs: Any) -> Program:
         """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
         on first use, so call it on every rank."""
+        self._require_program()
         return self._eval_runner(args, kwargs).program
 
     def _eval_runner(self, args: tuple, kwargs: dict) -> _Runner:
@@ -236,7 +281,7 @@ class ParallelModule(nn.Module):
     # --- inspection and state ------------------------------------------------------------------------------
     def local_code(self) -> str:
         """This rank's generated forward and backward programs as Python text."""
-        return self._program.code()
+        return self._require_program().code()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
@@ -263,8 +308,8 @@ class ParallelModule(nn.Module):
                     v.copy_(full)
 
     def extra_repr(self) -> str:
-        mesh = dict(zip(self.plan.mesh.axis_names, self.plan.mesh.shape))
-        return f"mesh={mesh}, params={len(self._program.params)}"
+        mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.mesh.shape))
+        return f"mesh={mesh}, planned={self._program is not None}"
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
