@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.plan import Plan
@@ -43,3 +44,45 @@ def test_parallelize_without_example_inputs_plans_on_the_first_call(plan_kind):
         assert got["placements"] == {n: want[n] for n in got["placements"]}
         assert any(any(type(p).__name__ == "Shard" for p in lay) for lay in got["placements"].values())
     check_against_reference("llama", results)
+
+
+def _loss_and_logits(out, tokens):
+    from autopar.models import cross_entropy_loss
+
+    return cross_entropy_loss(out, tokens), out
+
+
+def train_with_outputs(plan: str) -> dict:
+    model, inputs, _ = build("llama")
+    pm = autopar.parallelize(model, _mesh((2, 2), ("dp", "tp")), inputs, loss_fn=_loss_and_logits,
+                             plan=Plan.from_json(plan))
+    loss, logits = pm(*inputs)
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+    pm.eval()
+    with torch.no_grad():
+        eval_loss, eval_logits = pm(*inputs)
+    return {"loss": loss.item(), "placements": tuple(logits.placements), "requires_grad": logits.requires_grad,
+            "logits": logits.full_tensor(), "grads": grads, "eval_logits": eval_logits.full_tensor()}
+
+
+def test_a_loss_function_may_return_other_outputs_as_dtensors():
+    """loss_fn returning (loss, logits): the call returns the logits too, as a DTensor in its planned layout
+    (no gather), not differentiated; the gradients are the loss's alone."""
+    from autopar.compiler import compile_plan
+
+    model, inputs, _ = build("llama")
+    comp = compile_plan(model, autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu"), inputs, loss_fn=_loss_and_logits,
+                        config=autopar.Config(solver=autopar.SolverConfig(show_progress=False),
+                                              pins={"*": (Shard(0), Replicate())}), template_layers=None)
+    got = get_pool(4).run(train_with_outputs, comp.plan.to_json())[0]
+    model, inputs, loss_fn = build("llama")
+    logits = model(*inputs)
+    loss = loss_fn(logits, *inputs)
+    loss.backward()
+    assert got["placements"] != (Replicate(), Replicate()) and not got["requires_grad"]
+    torch.testing.assert_close(got["logits"], logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["eval_logits"], model.eval()(*inputs).detach(), rtol=1e-5, atol=1e-5)
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][n], p.grad, rtol=1e-4, atol=1e-4 * p.grad.abs().max().item())

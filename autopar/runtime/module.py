@@ -38,16 +38,17 @@ class _Runner:
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
         """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
-        module does), and returns the loss and the tensors saved for backward."""
+        module does), and returns the loss, the other outputs (local pieces) and the tensors saved for
+        backward."""
         with torch.autocast(self._device_type, enabled=False):
             out = self._graphs[0](*args)
-        k = len(self._updated)
+        k, m = len(self._updated), len(self.program.outputs)
         with torch.no_grad():
             for i, new in zip(self._updated, out[1:1 + k]):
                 args[i].copy_(new)
-        return out[0], out[1 + k:]
+        return out[0], tuple(out[1 + k:1 + k + m]), out[1 + k + m:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
@@ -62,17 +63,18 @@ class _TrainStep(torch.autograd.Function):
     # than a small layer's compute) and their gradients go back as DTensors of the same spec.
 
     @staticmethod
-    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         params = flat[:n_params]
-        loss, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
+        loss, outputs, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
         ctx.save_for_backward(*saved)
-        return loss
+        ctx.mark_non_differentiable(*outputs)
+        return (loss, *outputs)
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, *_outputs):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
         grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
@@ -184,8 +186,17 @@ class ParallelModule(nn.Module):
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
-            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
-        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+            loss, outputs, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
+                                                    *seed)
+        else:
+            loss, *outputs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+        return self._result(prog, loss, outputs)
+
+    def _result(self, prog: Program, loss: torch.Tensor, outputs) -> Any:
+        """The loss, or (loss, *outputs) with each other output a DTensor in its planned layout."""
+        if not prog.outputs:
+            return loss
+        return (loss, *(as_dtensor(o, self.mesh, spec.layout, spec.shape) for o, spec in zip(outputs, prog.outputs)))
 
     def manual_seed(self, seed: int, step: int = 0) -> None:
         """Restart the random stream dropout masks are drawn from at `seed`, as if the program had run `step`
@@ -234,7 +245,8 @@ class ParallelModule(nn.Module):
         params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         with torch.no_grad():
-            return runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))[0]
+            loss, outputs, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
+        return self._result(prog, loss, outputs)
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""
