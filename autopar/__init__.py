@@ -1,20 +1,18 @@
 """autopar: automatic parallelization of PyTorch training, per-op placements chosen by an integer program."""
-from autopar.api import plan
+from autopar.api import parallelize, plan, program
 from autopar.config import Config, SolverConfig
 from autopar.errors import AutoparError, CaptureError, InfeasibleMemoryError, NoStrategyError, PlanMismatchError
 from autopar.mesh import fake_mesh
 from autopar.plan import Plan
+from autopar.program import Program
 
-__all__ = ["plan", "parallelize", "Config", "SolverConfig", "Plan", "fake_mesh", "AutoparError", "CaptureError",
-           "InfeasibleMemoryError", "NoStrategyError", "PlanMismatchError"]
+__all__ = ["plan", "parallelize", "program", "Config", "SolverConfig", "Plan", "Program", "fake_mesh",
+           "AutoparError", "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "PlanMismatchError",
+           "ParallelModule"]
 
 
 def __getattr__(name):
-    # Execution pulls in torch.distributed runtime pieces; import them on first use.
-    if name == "parallelize":
-        from autopar.runtime import parallelize
-
-        return parallelize
+    # The runtime pulls in torch.distributed pieces; import it on first use.
     if name == "ParallelModule":
         from autopar.runtime import ParallelModule
 

@@ -9,15 +9,12 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import inspect as _pyinspect
 import os
 import subprocess
 import sys
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-GPT2_SIZES = {"gpt2": (768, 12, 12), "gpt2-medium": (1024, 24, 16), "gpt2-large": (1280, 36, 20),
-              "gpt2-xl": (1600, 48, 25)}
 DEFAULT_AXES = {1: ("dp",), 2: ("dp", "tp")}
 
 
@@ -32,111 +29,17 @@ class _Parser(argparse.ArgumentParser):
 
 # --- models -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class ModelSpec:
-    name: str
-    model: Any
-    inputs: tuple
-    loss_fn: Callable | None
-    kwargs: dict | None = None
+def model_spec(args: argparse.Namespace):
+    """The ModelSpec the arguments name (recorded in the plan, so the file alone can rebuild the model)."""
+    from autopar.model_spec import ModelSpec
+
+    return ModelSpec.named(args.model, batch=args.batch or 8, seq=args.seq, inputs=args.inputs, loss=args.loss)
 
 
 def known_models() -> list[str]:
-    from autopar.models.llama import CONFIGS
+    from autopar.model_spec import known_models as names
 
-    return list(CONFIGS) + list(GPT2_SIZES)
-
-
-def load_object(ref: str, what: str) -> Any:
-    """`path/to/file.py:name` or `package.module:name` -> the named object."""
-    path, sep, attr = ref.rpartition(":")
-    if not sep or not path or not attr:
-        raise CliError(f"{what} {ref!r} must look like path/to/file.py:function")
-    if path.endswith(".py"):
-        if not os.path.isfile(path):
-            raise CliError(f"{what} file {path!r} does not exist")
-        spec = importlib.util.spec_from_file_location(f"_autopar_user_{abs(hash(path))}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(path)
-        except ImportError as e:
-            raise CliError(f"cannot import {path!r} for {what}: {e}") from None
-    if not hasattr(module, attr):
-        raise CliError(f"{path} has no {attr!r} (for {what})")
-    return getattr(module, attr)
-
-
-def _call(fn: Callable, **available: Any) -> Any:
-    """Call fn with the keyword arguments it declares among `available` (batch, seq)."""
-    params = _pyinspect.signature(fn).parameters
-    return fn(**{k: v for k, v in available.items() if k in params and v is not None})
-
-
-def build_model(args: argparse.Namespace) -> ModelSpec:
-    import torch
-
-    from autopar.models.llama import CONFIGS, Llama, cross_entropy_loss
-
-    name = args.model
-    loss = load_object(args.loss, "--loss") if args.loss else None
-    if name in CONFIGS:
-        cfg = CONFIGS[name]
-        seq = args.seq or cfg.max_seq_len
-        if seq > cfg.max_seq_len:
-            raise CliError(f"--seq {seq} exceeds {name}'s max_seq_len {cfg.max_seq_len}")
-        with torch.device("meta"):
-            model = Llama(cfg)
-        return ModelSpec(name, model, (torch.zeros(args.batch, seq, dtype=torch.long),), loss or cross_entropy_loss)
-    if name in GPT2_SIZES:
-        return _gpt2(name, args, loss)
-    if ":" not in name:
-        raise CliError(f"unknown model {name!r}; built-in models: {', '.join(known_models())}; "
-                       "or give your own as path/to/model.py:build_model")
-    model = _call(load_object(name, "model"), batch=args.batch, seq=args.seq)
-    if not isinstance(model, torch.nn.Module):
-        raise CliError(f"{name} returned {type(model).__name__}, not a torch.nn.Module")
-    ref = args.inputs or f"{name.rpartition(':')[0]}:example_inputs"
-    try:
-        fn = load_object(ref, "--inputs")
-    except CliError as e:
-        if args.inputs:
-            raise
-        raise CliError(f"{e}; give --inputs path/to/model.py:example_inputs (a function returning a tuple of "
-                       "inputs)") from None
-    inputs = _call(fn, batch=args.batch, seq=args.seq)
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    return ModelSpec(name, model, inputs, loss)
-
-
-def _gpt2(name: str, args: argparse.Namespace, loss: Callable | None) -> ModelSpec:
-    import torch
-    import torch.nn.functional as F
-
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        raise CliError(f"{name} needs the transformers package (pip install 'autopar[hf]')") from None
-    dim, layers, heads = GPT2_SIZES[name]
-    seq = args.seq or 1024
-    cfg = GPT2Config(n_embd=dim, n_layer=layers, n_head=heads, n_positions=max(1024, seq), use_cache=False)
-    # Eager attention with an explicit mask: the SDPA path and the packed-sequence check branch on tensor values,
-    # which a fake-tensor trace cannot follow.
-    cfg._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(cfg)
-
-    def lm_loss(out, tokens, *rest, **kwargs):
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-    mask = {"attention_mask": torch.ones(args.batch, seq, dtype=torch.long)}
-    return ModelSpec(name, model, (torch.zeros(args.batch, seq, dtype=torch.long),), loss or lm_loss, mask)
+    return names()
 
 
 # --- mesh and config ------------------------------------------------------------------------------------------
@@ -201,15 +104,32 @@ def make_config(args: argparse.Namespace, links: dict | None, device: str):
 
 
 def _setup(args: argparse.Namespace, base: Any = None):
+    """(ModelSpec, BuiltModel, fake mesh, Config) from the arguments, defaulting to a loaded plan's mesh,
+    device, config and model."""
+    from autopar.config import Config
     from autopar.mesh import fake_mesh
 
-    if args.batch < 1:
+    if args.batch is not None and args.batch < 1:
         raise CliError(f"--batch must be at least 1, got {args.batch}")
     shape, axes, links, device = parse_mesh(args, base)
     config = make_config(args, links, device)
-    ms = build_model(args)
+    if base is not None and base.config:
+        # The plan's own config (pins, memory limit, precision, ...), with what the command line overrides.
+        recorded = Config.from_json(base.config)
+        config = recorded.with_(**{k: getattr(config, k) for k in ("device", "links", "memory_limit_gb",
+                                                                    "solver_time_limit_s", "mixed_precision")
+                                   if getattr(config, k) is not None})
+    if args.model:
+        spec = model_spec(args)
+    elif base is not None and base.model_spec is not None:
+        spec = base.model_spec
+        changes = {k: getattr(args, k) for k in ("batch", "seq") if getattr(args, k) is not None}
+        spec = dataclasses.replace(spec, **changes) if changes and spec.rebuildable else spec
+    else:
+        raise CliError("name the model (a built-in name or path/to/model.py:build_model)")
+    built = spec.build()
     mesh = fake_mesh(shape, axes, device_type="cpu" if device == "cpu" else "cuda")
-    return ms, mesh, config
+    return spec, built, mesh, config
 
 
 # --- commands -----------------------------------------------------------------------------------------------
@@ -224,27 +144,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.inspect import format_plan
 
-    ms, mesh, config = _setup(args)
+    spec, built, mesh, config = _setup(args)
     if args.recipe:
         from autopar.recipes import plan_recipe, recipe
 
         recipe(args.recipe)  # an unknown name fails here, before any planning
-        plan = plan_recipe(args.recipe, ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config,
-                           example_kwargs=ms.kwargs)
+        plan = plan_recipe(args.recipe, built.model, mesh, built.inputs, loss_fn=built.loss_fn, config=config,
+                           example_kwargs=built.kwargs)
         if plan.solver_stats.get("recipe_note"):
             print(f"autopar: warning: {args.recipe}: {plan.solver_stats['recipe_note']}", file=sys.stderr)
     else:
-        plan = autopar.plan(ms.model, mesh, ms.inputs, example_kwargs=ms.kwargs, loss_fn=ms.loss_fn, config=config)
+        plan = autopar.plan(built.model, mesh, built.inputs, example_kwargs=built.kwargs, loss_fn=built.loss_fn,
+                            config=config)
+    plan.model = spec.to_json()
     print(plan.summary() if args.summary else format_plan(plan, width=_width(), color=sys.stdout.isatty()))
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)
     if args.report:
-        from autopar.report import write_report
+        from autopar.inspect import write_report
 
         write_report(plan, args.report)
         print(f"wrote {args.report}", file=sys.stderr)
     return 0
+
+
+def _target(args: argparse.Namespace):
+    """The plan file named by args.target (None when it names a model, which then becomes args.model)."""
+    if args.target.endswith(".json"):
+        return load_plan(args.target)
+    if args.model and args.model != args.target:
+        raise CliError("give the model once: either as the first argument or with --model")
+    args.model = args.target
+    return None
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -255,31 +187,46 @@ def cmd_compare(args: argparse.Namespace) -> int:
     unknown = [r for r in names if r not in RECIPES]
     if unknown:
         raise CliError(f"unknown recipe {unknown[0]!r}; known: {', '.join(RECIPES)}")
-    base = None
-    if args.target.endswith(".json"):
-        base = load_plan(args.target)
-        if not args.model:
-            raise CliError(f"{args.target} is a plan file; name its model with --model (e.g. --model llama3-8b)")
-    else:
-        if args.model and args.model != args.target:
-            raise CliError("give the model once: either as the first argument or with --model")
-        args.model = args.target
-    ms, mesh, config = _setup(args, base)
+    base = _target(args)
+    spec, built, mesh, config = _setup(args, base)
     with Progress(what="comparing") as prog:
         say = prog.update if prog.enabled else None
-        result = compare(ms.model, mesh, ms.inputs, loss_fn=ms.loss_fn, config=config, recipes=names, plan=base,
-                         example_kwargs=ms.kwargs, progress=say)
+        result = compare(built.model, mesh, built.inputs, loss_fn=built.loss_fn, config=config, recipes=names,
+                         plan=base, example_kwargs=built.kwargs, progress=say)
     for r in result.rows[1:]:
         if base is not None and r.plan is not None and r.plan.fingerprint != base.fingerprint:
             print(f"autopar: warning: {args.target} was planned for a different model, inputs or mesh than "
-                  f"{args.model} with --batch {args.batch}; pass the arguments used to make it", file=sys.stderr)
+                  f"{spec.describe()}; pass the arguments used to make it", file=sys.stderr)
             break
     print(result.table(width=_width()))
     if args.save_dir:
         os.makedirs(args.save_dir, exist_ok=True)
         for name, p in result.plans.items():
+            p.model = spec.to_json()
             p.save(os.path.join(args.save_dir, f"{name.replace('+', '_')}.json"))
         print(f"wrote {len(result.plans)} plans to {args.save_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_program(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.inspect import format_program
+
+    base = load_plan(args.plan)
+    n = 1
+    for s in base.mesh.shape:
+        n *= s
+    if not 0 <= args.rank < n:
+        raise CliError(f"--rank {args.rank} is outside the plan's mesh of {n} ranks")
+    spec = base.model_spec
+    if spec is None or not spec.rebuildable:
+        what = spec.describe() if spec is not None else "an unrecorded model"
+        raise CliError(f"{args.plan} was made in Python from {what}, which the command line cannot rebuild; "
+                       "call autopar.program(plan, rank, model=..., example_inputs=...) in Python, or plan from "
+                       "the command line with path/to/model.py:build_model")
+    prog = autopar.program(base, args.rank)
+    print(format_program(prog, width=_width(), code=not args.no_code,
+                         max_collectives=None if args.all else 80), end="")
     return 0
 
 
@@ -307,7 +254,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autopar.report import write_report
+    from autopar.inspect import write_report
 
     figs = write_report(load_plan(args.plan), args.output, png_dir=args.png)
     print(f"wrote {args.output} ({len(figs)} plots)" + (f" and PNGs in {args.png}" if args.png else ""),
@@ -325,12 +272,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser, *, model_option: bool = False) -> None:
     if model_option:
-        p.add_argument("--model", help="model of the plan file: a built-in name or path/to/model.py:build_model")
+        p.add_argument("--model", help="model of the plan file, when it records none (plans made in Python): a "
+                                       "built-in name or path/to/model.py:build_model")
     p.add_argument("--mesh", help="mesh shape, e.g. 8x8 (default for compare: the plan file's)")
     p.add_argument("--axes", help="mesh axis names, e.g. dp,tp (default: dp / dp,tp)")
     p.add_argument("--links", help="link kind per axis: nvlink, ib, pcie or loopback, e.g. ib,nvlink")
     p.add_argument("--device", help="target device: h100, h200, a100 or cpu (default h100)")
-    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    p.add_argument("--batch", type=int, help="global batch size (default 8, or the plan file's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's maximum)")
     p.add_argument("--inputs", help="path/to/model.py:example_inputs, a function returning a tuple of inputs")
     p.add_argument("--loss", help="path/to/file.py:loss_fn(output, *inputs) -> scalar loss")
@@ -358,12 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="compare the solver's plan with hand-written recipes",
                        description="Compare the solver's plan with DDP, FSDP, Megatron TP, ... under the same cost "
-                                   "model. TARGET is a model (as for `plan`) or a plan.json plus --model.")
-    p.add_argument("target", help="model name, path/to/model.py:build_model, or a plan .json file")
+                                   "model. TARGET is a model (as for `plan`) or a plan .json file, whose recorded model, "
+                                   "mesh and config are used unless overridden.")
+    p.add_argument("target", help="model name, path/to/model.py:build_model, or a plan .json file (its model, mesh "
+                                  "and config are read from the file)")
     _model_args(p, model_option=True)
     p.add_argument("--recipes", default="ddp,fsdp,megatron,fsdp+tp", help="comma-separated recipe names")
     p.add_argument("--save-dir", help="write every plan of the comparison as JSON into this folder")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("program", help="print the program one rank runs under a plan",
+                       description="Generate and print the per-rank program of a plan file: what the rank holds, "
+                                   "its collectives in issue order with their process groups and buckets, and "
+                                   "its forward and backward code. The model is rebuilt from the plan file and "
+                                   "captured whole on a fake mesh: nothing is launched.")
+    p.add_argument("plan", help="plan .json file (made by `autopar plan ... -o`)")
+    p.add_argument("--rank", type=int, default=0, help="global rank (default 0)")
+    p.add_argument("--all", action="store_true", help="list every collective (default: the first 80)")
+    p.add_argument("--no-code", action="store_true", help="leave out the generated code")
+    p.set_defaults(func=cmd_program)
     p = sub.add_parser("explain", help="why a parameter or op got its layout", description="Explain a plan entry: "
                        "its layout, cost and alternatives.")
     p.add_argument("plan", help="plan .json file")

@@ -34,10 +34,13 @@ class SolverConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """How to plan. Every field left as None is inferred from the mesh (see `resolve`).
+    """How to plan. Every field left as None is inferred from the mesh and the device.
 
-    device: hardware table entry ("h100", "h200", "a100", "cpu").
-    links: link kind per mesh axis name ("nvlink", "ib", "pcie", "loopback").
+    device: hardware table entry ("h100", "h200", "a100", "cpu"); None: "cpu" on a CPU mesh, else "h100". A fake
+            mesh (autopar.fake_mesh) takes its device type from it: "cpu" plans a CPU mesh (loopback links, fp32).
+    links: link kind per mesh axis name ("nvlink", "ib", "pcie", "loopback"); None: loopback on CPU; on GPUs the
+           innermost axes whose sizes multiply to at most one node's GPUs (8) are NVLink, the others InfiniBand
+           (autopar.mesh.default_links).
     memory_limit_gb: per-rank memory budget; defaults to the device's memory.
     pins: {fqn glob: placements tuple in mesh_dim_names order} fixing parameters (storage and use), or
           {"act:<block-relative node glob>": placements} fixing activations (e.g. sequence parallel recipes).
@@ -51,6 +54,10 @@ class Config:
     solver_time_limit_s: wall-clock seconds for the whole planning call (capture included). When it passes,
                      plan() returns the best plan that fits, with a warning, or raises SolverTimeout if none was
                      found yet. None: no limit. Plans are reproducible whenever planning ends inside it.
+    sync_batch_norm: training batch norm is captured as per-channel sums (autopar/rules/sync_batch_norm.py), so
+                     the planner may split its input over the batch and reduce the statistics across ranks
+                     (global statistics, as SyncBatchNorm), shard its channels (exact locally) or replicate it,
+                     whichever costs least; False keeps the fused kernel, which shards channels only.
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
@@ -64,7 +71,34 @@ class Config:
     solver_time_limit_s: float | None = 300.0
     mixed_precision: str | None = None
     template_layers: int | None = 2
+    sync_batch_norm: bool = True
     solver: SolverConfig = SolverConfig()
+
+    def to_json(self) -> dict:
+        """Plain JSON data (placements as layout strings such as "S(0),R"); `Config.from_json` reads it back."""
+        from autopar.layout import fmt_layout
+
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "solver"}
+        d["links"] = dict(self.links) if self.links else None
+        d["pins"] = {k: fmt_layout(v) for k, v in self.pins.items()} if self.pins else None
+        d["input_placements"] = ({str(k): fmt_layout(v) for k, v in self.input_placements.items()}
+                                 if self.input_placements else None)
+        d["solver"] = dataclasses.asdict(self.solver)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Config":
+        from autopar.layout import parse_layout
+
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known and k != "solver"}
+        if kw.get("pins"):
+            kw["pins"] = {k: parse_layout(v) for k, v in kw["pins"].items()}
+        if kw.get("input_placements"):
+            kw["input_placements"] = {int(k): parse_layout(v) for k, v in kw["input_placements"].items()}
+        solver_known = {f.name for f in dataclasses.fields(SolverConfig)}
+        solver = SolverConfig(**{k: v for k, v in (d.get("solver") or {}).items() if k in solver_known})
+        return cls(**kw, solver=solver)
 
     def with_(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -36,19 +36,41 @@ class MeshSpec:
         return cls(tuple(d["axis_names"]), tuple(d["shape"]), tuple(d["links"]), d.get("device_type", "cuda"))
 
 
-def default_links(names: Sequence[str], shape: Sequence[int], device_type: str) -> tuple[str, ...]:
-    """CPU meshes talk over loopback; on GPUs the innermost axis is NVLink, the rest InfiniBand."""
+# GPUs that share one NVLink domain: the 8 of an HGX/DGX A100, H100 or H200 node.
+GPUS_PER_NODE = 8
+
+
+def default_links(names: Sequence[str], shape: Sequence[int], device_type: str,
+                  gpus_per_node: int = GPUS_PER_NODE) -> tuple[str, ...]:
+    """CPU meshes talk over loopback. On GPUs, the innermost axes whose sizes multiply to at most one node's
+    GPUs are NVLink (ranks are numbered node by node, so they stay inside a node) and the others InfiniBand:
+    (8, 8) is (ib, nvlink), (4, 2) is (nvlink, nvlink), (2, 16) is (ib, ib)."""
     if device_type == "cpu":
         return tuple("loopback" for _ in names)
-    return tuple("nvlink" if i == len(names) - 1 else "ib" for i in range(len(names)))
+    links, inner = [], 1
+    for size in reversed(tuple(shape)):
+        inner *= int(size)
+        links.append("nvlink" if inner <= gpus_per_node else "ib")
+    return tuple(reversed(links))
 
 
-def mesh_spec(mesh: DeviceMesh, links: dict[str, str] | None = None) -> MeshSpec:
+def target_device_type(mesh: DeviceMesh, device: str | None = None) -> str:
+    """The device type a plan for `mesh` targets: a real mesh runs where it is; a fake mesh (planning only)
+    takes it from the Config's device when one is named ("cpu" -> cpu, a GPU -> cuda), else from fake_mesh."""
+    fake = getattr(mesh, "_autopar_target_device", None)
+    if fake is None:
+        return mesh.device_type
+    if device is not None:
+        return "cpu" if device.lower() == "cpu" else (fake if fake != "cpu" else "cuda")
+    return fake
+
+
+def mesh_spec(mesh: DeviceMesh, links: dict[str, str] | None = None, device: str | None = None) -> MeshSpec:
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError("the mesh needs axis names: build it with mesh_dim_names=('dp', 'tp') or similar")
     shape = tuple(mesh.mesh.shape)
-    dev = getattr(mesh, "_autopar_target_device", None) or mesh.device_type
+    dev = target_device_type(mesh, device)
     chosen = list(default_links(names, shape, dev))
     for axis, kind in (links or {}).items():
         if axis not in names:

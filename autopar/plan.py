@@ -9,12 +9,15 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch.distributed.tensor import Placement
 
 from autopar.layout import fmt_layout, parse_layout
 from autopar.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from autopar.model_spec import ModelSpec
 
 FORMAT_VERSION = 1
 
@@ -31,9 +34,12 @@ class NodePlan:
     count: float = 1.0
     alternatives: list[dict] = dataclasses.field(default_factory=list)
 
+    def __post_init__(self):
+        self.compute_s = _r(self.compute_s)  # as the file keeps it, so a loaded plan equals this one
+
     def to_json(self) -> dict:
         return {"op": self.op, "ins": [fmt_layout(i) if i is not None else None for i in self.ins],
-                "outs": [fmt_layout(o) for o in self.outs], "compute_s": _r(self.compute_s), "count": self.count,
+                "outs": [fmt_layout(o) for o in self.outs], "compute_s": self.compute_s, "count": self.count,
                 "alternatives": self.alternatives}
 
     @classmethod
@@ -57,9 +63,12 @@ class Transition:
     count: float = 1.0
     kind: str = "activation"  # activation | param | grad
 
+    def __post_init__(self):
+        self.cost_s = _r(self.cost_s)
+
     def to_json(self) -> dict:
         return {"src": self.src, "dst": self.dst, "arg": self.arg, "from": fmt_layout(self.src_layout),
-                "to": fmt_layout(self.dst_layout), "steps": self.steps, "cost_s": _r(self.cost_s),
+                "to": fmt_layout(self.dst_layout), "steps": self.steps, "cost_s": self.cost_s,
                 "count": self.count, "kind": self.kind}
 
     @classmethod
@@ -92,6 +101,32 @@ class Plan:
     version: int = FORMAT_VERSION
     # The Config.mixed_precision the graph was captured and priced under ("bf16" or "fp32"; None: not recorded).
     mixed_precision: str | None = None
+    # How the model was named (autopar.model_spec.ModelSpec.to_json()) and the Config it was planned with
+    # (Config.to_json()), so the file alone can rebuild, compare and re-generate it.
+    model: dict | None = None
+    config: dict | None = None
+    # How each training-mode batch norm computes its statistics: module FQN -> "global over <axes>" (input split
+    # over the batch on those axes, per-channel sums all-reduced, as SyncBatchNorm), "channels split" or "local"
+    # (replicated); see Config.sync_batch_norm.
+    batch_norms: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Seconds per planning stage (capture and each pass): reported, never part of the digest.
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The simulated step for plots: communication bytes per rank per axis, and the first events of the compute
+    # and communication streams as [stream, label, start_s, end_s].
+    comm_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    timeline: list[list] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        # The solver's clock readings are timings, not part of what the plan decides.
+        for k in [k for k in self.solver_stats if _volatile(k)]:
+            self.timings.setdefault(f"solver_{k}", self.solver_stats[k])
+        self.solver_stats = {k: v for k, v in self.solver_stats.items() if not _volatile(k)}
+        # Figures as the file keeps them (6 significant digits), so Plan.from_json(p.to_json()) == p.
+        self.estimated_step_time = _r(self.estimated_step_time)
+        self.cost_breakdown = {k: _r(v) for k, v in self.cost_breakdown.items()}
+        self.timings = {k: _r(v) for k, v in self.timings.items()}
+        self.comm_bytes = {k: _r(v) for k, v in self.comm_bytes.items()}
+        self.timeline = [[str(a), str(b), _r(c), _r(d)] for a, b, c, d in self.timeline]
 
     # --- lookup -----------------------------------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -128,7 +163,14 @@ class Plan:
 
         return techniques(self)
 
-    # --- inspection (implemented in autopar.inspect) -----------------------------------------------------
+    @property
+    def model_spec(self) -> "ModelSpec | None":
+        """How the plan's model was named (autopar.model_spec.ModelSpec), or None when not recorded."""
+        from autopar.model_spec import ModelSpec
+
+        return ModelSpec.from_json(self.model) if self.model else None
+
+    # --- thin views (implemented in autopar.inspect and autopar.recipes) ------------------------------------
     def __str__(self) -> str:
         from autopar.inspect import format_plan
 
@@ -149,40 +191,43 @@ class Plan:
 
         return diff(self, other)
 
-    def compare(self, recipes=("ddp", "fsdp", "megatron", "fsdp+tp")):
-        """This plan beside hand-written recipes under the same cost model (as `autopar compare`). Needs the
-        model the plan was made from: available on plans made by autopar.plan in this process."""
-        from autopar.recipes import compare
+    def compare(self, model: Any = None, example_inputs: Sequence[Any] | None = None, *,
+                recipes: Sequence[str] = ("ddp", "fsdp", "megatron", "fsdp+tp"), example_kwargs: dict | None = None,
+                loss_fn: Any = None):
+        """This plan beside hand-written recipes under the same cost model and config (as `autopar compare`).
+        Without `model`, the model is rebuilt from the plan's model spec (plans made on the command line);
+        a plan made in Python from a live model needs it again: `plan.compare(model, example_inputs)`."""
+        from autopar.recipes import compare_plan
 
-        source = getattr(self, "source", None)
-        if source is None:
-            raise ValueError("plan.compare needs the model this plan was made from; for a loaded plan call "
-                             "autopar.recipes.compare(model, mesh, example_inputs, plan=plan, ...)")
-        model, mesh, inputs, kwargs, loss_fn, config = source
-        return compare(model, mesh, inputs, loss_fn=loss_fn, config=config, recipes=tuple(recipes), plan=self,
-                       example_kwargs=kwargs)
+        return compare_plan(self, model, example_inputs, recipes=tuple(recipes), example_kwargs=example_kwargs,
+                            loss_fn=loss_fn)
 
     def report(self, path: str, png_dir: str | None = None):
         """Write the self-contained HTML report (plots embedded; PNG copies in png_dir)."""
-        from autopar.report import write_report
+        from autopar.inspect import write_report
 
         return write_report(self, path, png_dir=png_dir)
 
     # --- serialization ------------------------------------------------------------------------------------
-    def to_json(self) -> str:
+    def to_json(self, timings: bool = True) -> str:
+        """The plan as JSON text; `timings=False` leaves out how long planning took, so two plans of the same
+        inputs give the same bytes."""
         d = {
             "format": "autopar.plan", "version": self.version, "mesh": self.mesh.to_json(), "device": self.device,
             "fingerprint": self.fingerprint, "mixed_precision": self.mixed_precision, "blocks": self.blocks,
-            "estimated_step_time": _r(self.estimated_step_time), "peak_memory_per_rank": self.peak_memory_per_rank,
+            "estimated_step_time": self.estimated_step_time, "peak_memory_per_rank": self.peak_memory_per_rank,
             "memory_limit": self.memory_limit,
-            "cost_breakdown": {k: _r(v) for k, v in sorted(self.cost_breakdown.items())},
+            "cost_breakdown": dict(sorted(self.cost_breakdown.items())),
             "memory_breakdown": dict(sorted(self.memory_breakdown.items())),
             "params": {k: fmt_layout(v) for k, v in sorted(self.params.items())},
             "param_numel": dict(sorted(self.param_numel.items())),
             "inputs": [fmt_layout(i) if i is not None else None for i in self.inputs],
             "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
             "transitions": [t.to_json() for t in self.transitions],
-            "solver": {k: v for k, v in sorted(self.solver_stats.items()) if not _volatile(k)},
+            "solver": dict(sorted(self.solver_stats.items())),
+            "model": self.model, "config": self.config, "batch_norms": dict(sorted(self.batch_norms.items())),
+            "timings": dict(sorted(self.timings.items())) if timings else {},
+            "comm_bytes": dict(sorted(self.comm_bytes.items())), "timeline": self.timeline,
         }
         return json.dumps(d, indent=1, sort_keys=False)
 
@@ -210,7 +255,9 @@ class Plan:
                 cost_breakdown=d["cost_breakdown"], memory_breakdown=d["memory_breakdown"],
                 fingerprint=d["fingerprint"], blocks=d.get("blocks", {}), param_numel=d.get("param_numel", {}),
                 memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
-                mixed_precision=d.get("mixed_precision"))
+                mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
+                batch_norms=d.get("batch_norms", {}),
+                timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e
@@ -225,12 +272,14 @@ class Plan:
             return cls.from_json(f.read())
 
     def digest(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """A hash of what the plan decides and estimates, leaving out how long planning took: equal digests,
+        same plan."""
+        return hashlib.sha256(self.to_json(timings=False).encode()).hexdigest()[:16]
 
 
-_VOLATILE = {"seconds", "wall_time"}
+# Solver statistics that read the planning machine's clock: kept in `timings` (as solver_<name>).
+_VOLATILE = {"seconds", "build_seconds", "solve_seconds", "capture_seconds", "wall_time"}
 
 
 def _volatile(key: str) -> bool:
-    """Timings differ from run to run: a plan file leaves them out so that it is reproducible."""
     return key in _VOLATILE or key.endswith("_seconds")

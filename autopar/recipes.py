@@ -283,7 +283,7 @@ class CompareResult:
         return {r.name: r.plan for r in self.rows if r.plan is not None}
 
     def table(self, width: int = 110) -> str:
-        from autopar.inspect_compare import compare_table
+        from autopar.inspect import compare_table
 
         return compare_table(self, width)
 
@@ -333,6 +333,29 @@ def compare(model: Any, mesh: Any, example_inputs: Sequence[Any], *, loss_fn: Ca
     return compare_plans(plan, results, memory_limit=plan.memory_limit)
 
 
+def compare_plan(plan: Any, model: Any = None, example_inputs: Sequence[Any] | None = None, *,
+                 recipes: Sequence[str] = ("ddp", "fsdp", "megatron", "fsdp+tp"), example_kwargs: dict | None = None,
+                 loss_fn: Callable | None = None) -> CompareResult:
+    """`plan.compare()`: the plan beside recipes on its own mesh and config. The model is rebuilt from the
+    plan's model spec unless given (a plan made in Python from a live model needs it)."""
+    from autopar.config import Config
+    from autopar.mesh import fake_mesh
+    from autopar.model_spec import ModelSpec
+
+    if model is None:
+        built = (plan.model_spec or ModelSpec("python", "an unrecorded model")).build()
+        model, example_inputs = built.model, built.inputs
+        loss_fn = loss_fn or built.loss_fn
+        example_kwargs = example_kwargs if example_kwargs is not None else built.kwargs
+    elif example_inputs is None:
+        raise RecipeError("plan.compare(model, example_inputs): give the example inputs the plan was made with")
+    config = Config.from_json(plan.config) if plan.config else Config(device=plan.device)
+    config = config.with_(device=plan.device, links=dict(zip(plan.mesh.axis_names, plan.mesh.links)))
+    mesh = fake_mesh(plan.mesh.shape, plan.mesh.axis_names, plan.mesh.device_type)
+    return compare(model, mesh, example_inputs, loss_fn=loss_fn, config=config, recipes=recipes, plan=plan,
+                   example_kwargs=example_kwargs)
+
+
 def plan_recipe(name: str, model: Any, mesh: Any, example_inputs: Sequence[Any], *, loss_fn: Callable | None = None,
                 config: Any = None, example_kwargs: dict | None = None, quiet: bool = False) -> Any:
     """autopar.plan with a recipe's pins. When the recipe's activation pins do not fit the model's graph (other op
@@ -343,7 +366,7 @@ def plan_recipe(name: str, model: Any, mesh: Any, example_inputs: Sequence[Any],
 
     config = config or Config()
     config = _quiet(config) if quiet else config
-    spec = mesh_spec(mesh, dict(config.links) if config.links else None)
+    spec = mesh_spec(mesh, dict(config.links) if config.links else None, config.device)
     # remove_duplicate=False: a tied weight (GPT-2 lm_head = wte) may be captured under either name.
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters(remove_duplicate=False)}
     tensors = [x for x in example_inputs if hasattr(x, "shape")]
@@ -414,4 +437,5 @@ def _say(progress: Callable[[str], None] | None, msg: str) -> None:
 
 
 __all__ = ["ddp", "fsdp", "hsdp", "megatron", "fsdp_tp", "RECIPES", "recipe", "plan_recipe", "compare", "compare_plans",
+           "compare_plan",
            "CompareResult", "CompareRow", "RecipeError", "tensor_axis", "data_axes", "glob_of"]

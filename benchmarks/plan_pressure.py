@@ -42,8 +42,7 @@ def _build(name: str):
         return dict(model=Llama(LLAMA_SMALL), args=(torch.zeros(8, 32, dtype=torch.long),), kwargs=None,
                     loss_fn=cross_entropy_loss, **cpu)
     torch.manual_seed(0)
-    model, args, kwargs = {**hf_models.MODELS, **hf_models.MORE_MODELS}[name](batch=4, **(
-        {} if name == "vit" else {"seq": 16}))
+    model, args, kwargs = hf_models.MODELS[name](batch=4, **({} if name in hf_models.IMAGE_MODELS else {"seq": 16}))
     return dict(model=model, args=args, kwargs=kwargs, loss_fn=None, **cpu)
 
 

@@ -10,7 +10,8 @@ constrains every candidate point, so the plan it returns fits as the step simula
 Liveness: an allocation lives from its node to its last reader (a view, or a tuple element, shares its base's
 allocation, and a view of a graph input holds none); gradients leave at once for the persistent gradient
 buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
-again during their backward uses, since codegen recomputes them in backward rather than saving them.
+again during their backward uses, since codegen recomputes them in backward rather than saving them; so do
+the values of the model's activation-checkpointed regions.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _build(ctx: PassContext) -> MemoryProfile:
         fwd = [i for i in uses[o] if cap.phase[nodes[i]] == "fwd"]
         bwd = [i for i in uses[o] if cap.phase[nodes[i]] == "bwd"]
         w = 1.0
-        if o in ctx.param_derived and cap.phase[o] == "fwd":
+        if (o in ctx.param_derived or o in ctx.recomputed) and cap.phase[o] == "fwd":
             spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
         else:
             if cap.phase[o] == "fwd" and bwd:
@@ -113,10 +114,11 @@ def _static(ctx: PassContext) -> dict[str, np.ndarray]:
     """Parameter, gradient and optimizer state (and the fp32 master copy) on each rank, per strategy of each
     parameter key, summed over the parameters (and template-scaled layers) the key stands for."""
     out: dict[str, np.ndarray] = {}
-    per_elem = param_state_bytes(1, ctx.precision)
     for fqn, node in ctx.captured.params.items():
         key = ctx.key[node]
         numel = math.prod(node.meta["val"].shape)
+        # A frozen parameter (no gradient) keeps no gradient or optimizer state.
+        per_elem = param_state_bytes(1, ctx.precision, fqn in ctx.captured.grads)
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
     return out

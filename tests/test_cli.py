@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -58,13 +59,49 @@ def test_report(plan_files, tmp_path, capsys):
     assert html.read_text().count("data:image/png;base64,") == len(os.listdir(png)) >= 3
 
 
-def test_compare_with_a_plan_file(plan_files, capsys):
-    assert main(["compare", plan_files[0], "--model", "llama-tiny", "--batch", "4", "--seq", "32",
-                 "--recipes", "ddp,hsdp"]) == 0
+def test_compare_with_a_plan_file_alone(plan_files, capsys):
+    """The plan file records its model, mesh and config: nothing needs retyping."""
+    p = Plan.load(plan_files[0])
+    assert p.model == {"source": "builtin", "name": "llama-tiny", "batch": 4, "seq": 32}
+    assert p.config["device"] == "cpu"
+    assert main(["compare", plan_files[0], "--recipes", "ddp,hsdp"]) == 0
     out, err = capsys.readouterr()
     assert "autopar" in out and "ddp" in out and "1.00x" in out
     assert "not run: hsdp needs two data axes" in " ".join(out.split())
     assert "different model" not in err
+    assert main(["compare", plan_files[0], "--recipes", "ddp", "--batch", "8"]) == 0  # an override is honoured
+    assert "different model" in capsys.readouterr().err
+
+
+def test_program_prints_a_ranks_code_collectives_and_buckets(plan_files, capsys):
+    assert main(["program", plan_files[1], "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("autopar program") and "3 of 4 on dp=2 x tp=2 (coordinates dp=1, tp=1)" in out
+    # Megatron over tp: the row-parallel outputs are all-reduced over tp, data-parallel gradients in buckets.
+    assert re.search(r"forward +all_reduce +tp ", out) and re.search(r"backward +all_reduce +dp .*bucket of", out)
+    assert "layers.*.attention.wq.weight" in out and "dp=R tp=S(0)" in out
+    assert "def forward" in out and "_c10d_functional" in out
+    assert main(["program", plan_files[1], "--rank", "1", "--no-code"]) == 0
+    out = capsys.readouterr().out
+    assert "def forward" not in out and "coordinates dp=0, tp=1" in out
+    assert main(["program", plan_files[1], "--rank", "4"]) == 2
+    assert "--rank 4 is outside the plan's mesh of 4 ranks" in capsys.readouterr().err
+
+
+def test_plan_of_a_live_model_says_what_it_needs(tmp_path, capsys):
+    import torch
+
+    import autopar
+    from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
+
+    p = autopar.plan(Llama(LLAMA_TINY), autopar.fake_mesh(2, "dp", "cpu"), (torch.zeros(4, 16, dtype=torch.long),),
+                     loss_fn=cross_entropy_loss, config=autopar.Config(solver=autopar.SolverConfig(show_progress=False)))
+    path = str(tmp_path / "live.json")
+    p.save(path)
+    for argv in (["program", path], ["compare", path]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "made in Python from a live autopar.models.llama.Llama" in err and "path/to/model.py:" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -13,9 +12,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.capture import capture
 from autopar.codegen import CodegenError, RankSpec, collectives, generate
-from autopar.codegen.collectives import collective_kind
+from autopar.compiler import compile_plan
 from autopar.redistribute import plan_steps
 from autopar.codegen.collectives import checked_steps, collective_kind, steps_valid
 from autopar.config import Config, SolverConfig
@@ -44,9 +42,8 @@ def mse(out, x, y):
 def program(model, inputs, loss_fn, mesh, rank: RankSpec, **config):
     """Plan on the full graph and generate one rank's program."""
     cfg = Config(**{"solver": QUIET, "template_layers": None, **config})
-    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, config=cfg)
-    cap = capture(model, inputs, loss_fn=loss_fn, autocast_dtype=plan.context.precision.autocast_dtype)
-    return plan, cap, generate(plan, cap, rank)
+    comp = compile_plan(model, mesh, inputs, loss_fn=loss_fn, config=cfg)
+    return comp.plan, comp.captured, comp.program(rank)
 
 
 def _mlp(d_in, hidden, d_out, batch):
@@ -160,20 +157,15 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
 def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
     """Llama-3-8B (all 32 layers on 64 ranks; 4 layers of the same widths on 512 ranks), planned on the full
     graph (no template), built on the meta device; one rank's program is generated, not run."""
-    from autopar.api import make_context
-    from autopar.passes import run_passes
-
     with torch.device("meta"):
         model = Llama(dataclasses.replace(LLAMA3_8B, n_layers=layers))
     tokens = torch.zeros(batch, 2048, dtype=torch.long)
     mesh = autopar.fake_mesh((dp, 8), ("dp", "tp"))
     rank = RankSpec.fake(("dp", "tp"), (dp, 8), coords)
-    t0 = time.perf_counter()
-    ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
-    run_passes(ctx.captured.gm, ctx)
-    plan, cap = ctx.plan, ctx.captured
-    prog = generate(plan, cap, rank)
-    assert time.perf_counter() - t0 < 120
+    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET),
+                        template_layers=None)
+    plan, cap = comp.plan, comp.captured
+    prog = comp.program(rank)
     assert len(cap.params) == 2 + layers * 9 + 1
     shapes = {n.name: tuple(n.meta["val"].shape) for n in prog.forward.graph.nodes if n.op == "placeholder"}
     for fqn, node in cap.params.items():
@@ -199,7 +191,7 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
     # Every local value has the local shape of its planned layout (checked while generating); the loss is
     # replicated and every gradient leaves in its parameter's layout.
     out = next(n for n in prog.backward.graph.nodes if n.op == "output")
-    for fqn, g in zip(prog.params, out.args[0]):
+    for fqn, g in zip(prog.param_names, out.args[0]):
         want = local_shape(tuple(cap.params[fqn].meta["val"].shape), plan.param_layout(fqn), (dp, 8))
         assert tuple(g.meta["val"].shape) == want, fqn
 
@@ -209,28 +201,25 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
 def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
     """autopar.plan() captures 2 of llama-small's 4 layers; the plan (and its JSON copy) covers every node of
     the full-depth capture, and each layer's parameters get the layouts of the template's corresponding layer."""
-    from autopar.api import make_context
-    from autopar.passes import annotate_shapes_pass
-    from autopar.passes.build_plan import fingerprint
-    from autopar.runtime.parallelize import check_plan
+    from autopar.compiler import capture_step, fingerprint
+    from autopar.plan_check import check_plan
 
     with torch.device("meta"):
         model = Llama(LLAMA_SMALL)
     tokens = torch.zeros(8, 64, dtype=torch.long)
     mesh = autopar.fake_mesh(shape, axes, device_type="cpu")
-    plan = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET))
-    template = plan.context.captured
+    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET))
+    plan, template = comp.plan, comp.captured
     k = template.blocks[0].captured
     assert k < LLAMA_SMALL.n_layers
-    ctx = make_context(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
-    annotate_shapes_pass(ctx.captured.gm, ctx)
-    assert fingerprint(ctx) == plan.fingerprint  # same keys, ops and shapes as the template
+    full = capture_step(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)
+    assert fingerprint(full) == plan.fingerprint  # same keys, ops and shapes as the template
     rank = RankSpec.fake(axes, shape, coords)
-    want = _param_layouts(generate(plan, template, rank))
+    want = _param_layouts(comp.program(rank))
     for p in (plan, Plan.from_json(plan.to_json())):
-        check_plan(p, ctx)  # what parallelize(..., plan=p) checks before generating
-        got = _param_layouts(generate(p, ctx.captured, rank))
-        assert len(got) == len(ctx.captured.params)
+        check_plan(p, full)  # what parallelize(..., plan=p) checks before generating
+        got = _param_layouts(full.program(rank, p))
+        assert len(got) == len(full.captured.params)
         for fqn, lay in got.items():
             parts = fqn.split(".")
             if parts[0] == "layers":  # layer i of the model: the template's layer i, its last for deeper ones
@@ -240,7 +229,7 @@ def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
 
 def _param_layouts(prog) -> dict[str, tuple]:
     """{parameter FQN: the layout of its local shard} in a generated program."""
-    return {fqn: prog.joint.layouts[node.name] for fqn, node in prog.joint.params.items()}
+    return {p.name: p.layout for p in prog.params}
 
 
 def test_redistribution_steps_keep_shards_nested():
@@ -260,9 +249,9 @@ def test_unsupported_local_rewrite_is_refused_with_the_op_named():
     model = Llama(LLAMA_TINY)
     tokens = torch.zeros(4, 16, dtype=torch.long)
     mesh = autopar.fake_mesh(2, "tp")
-    plan = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
                         config=Config(solver=QUIET, template_layers=None, pins={"*": (R,)}, device="h100"))
-    cap = capture(model, (tokens,), loss_fn=cross_entropy_loss, autocast_dtype=plan.context.precision.autocast_dtype)
+    plan, cap = comp.plan, comp.captured
     # Shard the logits' sequence dim through `logits[:, :-1]`: a real slice of a sharded dim.
     data = Plan.from_json(plan.to_json())
     key = "output/fwd/slice"

@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.codegen import RankSpec, generate
+from autopar.codegen import RankSpec
+from autopar.compiler import compile_plan
 from autopar.codegen.rng import SEEDED_DROPOUT, dropout_scale, shard_index, stream_key
 from autopar.config import Config, SolverConfig
 from autopar.plan import Plan
@@ -154,7 +155,7 @@ def _lay(**axes):
 
 
 @functools.lru_cache(maxsize=None)
-def planned() -> Plan:
+def planned():
     """FSDP x Megatron: weights sharded over dp, fc1 column- and fc2 row-parallel over tp, the batch over dp;
     the dropouts pinned to the three cases over tp (Shard, Partial, Replicate)."""
     pins = {"fc1.weight": _lay(dp=Shard(0), tp=Shard(0)), "fc1.bias": _lay(dp=Shard(0), tp=Shard(0)),
@@ -163,11 +164,11 @@ def planned() -> Plan:
             f"act:{DROPS[2]}": _lay(dp=Shard(0))}
     config = Config(solver=QUIET, pins=pins, input_placements={0: _lay(dp=Shard(0)), 1: _lay(dp=Shard(0))})
     model, inputs = build()
-    return autopar.plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs, loss_fn=mse, config=config)
+    return compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs, loss_fn=mse, config=config)
 
 
 def plan_json() -> str:
-    return planned().to_json()
+    return planned().plan.to_json()
 
 
 def _drop_layouts(plan: Plan) -> dict[str, tuple]:
@@ -177,13 +178,13 @@ def _drop_layouts(plan: Plan) -> dict[str, tuple]:
 def test_generated_program_seeds_masks_by_shard():
     """Every rank's program draws each mask from (step seed, node key, shard index): equal on the tp ranks for
     the output dropout, different across dp and, for the hidden one, across tp; the masks are saved."""
-    plan = planned()
-    cap = plan.context.captured
+    comp = planned()
+    plan = comp.plan
     calls = {}
     for coords in [(0, 0), (0, 1), (1, 0), (1, 1)]:
-        prog = generate(plan, cap, RankSpec.fake(NAMES, SHAPE, coords))
+        prog = comp.program(RankSpec.fake(NAMES, SHAPE, coords))
         assert prog.takes_seed and "native_dropout.default" not in prog.forward.code
-        assert list(prog.forward.graph.nodes)[len(prog.params) + len(prog.buffers) + prog.n_inputs].name == "rng_seed"
+        assert list(prog.forward.graph.nodes)[len(prog.params) + len(prog.buffers) + len(prog.inputs)].name == "rng_seed"
         seeded = [n for n in prog.forward.graph.nodes if n.target is SEEDED_DROPOUT]
         assert len(seeded) == 3
         masks = {n.name for n in prog.forward.graph.nodes if n.op == "call_function" and n.args
@@ -207,10 +208,10 @@ def _step_masks(pm, inputs) -> tuple[float, dict[int, torch.Tensor]]:
     packed: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         loss = pm(*inputs)
-    assert len(packed) == len(pm.program.saved), (len(packed), pm.program.saved)
-    nodes = {n.name: n for n in pm.program.joint.gm.graph.nodes}
+    assert len(packed) == len(pm.program().saved), (len(packed), pm.program().saved)
+    nodes = {n.name: n for n in pm.program().joint.gm.graph.nodes}
     masks = {}
-    for name, t in zip(pm.program.saved, packed):
+    for name, t in zip(pm.program().saved, packed):
         n = nodes[name]
         if n.op == "call_function" and n.args and getattr(n.args[0], "target", None) is SEEDED_DROPOUT:
             if n.args[1] == 1:

@@ -25,6 +25,7 @@ from autopar.config import Config, SolverConfig
 from autopar.models import LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.plan import Plan
 from autopar.codegen import collectives
+from autopar.compiler import compile_plan
 from autopar.testing.dist import WorkerError, get_pool
 
 R = Replicate()
@@ -181,8 +182,8 @@ def _random_choice_pass(seed: int):
 
 @functools.lru_cache(maxsize=None)
 def plan_json(name: str, shape: tuple[int, ...], names: tuple[str, ...], kind: str) -> str:
-    from autopar.api import make_context
-    from autopar.passes import PASSES, run_passes, solve_placements_pass
+    from autopar.compiler import compile_plan
+    from autopar.passes import PASSES, solve_placements_pass
 
     model, inputs, loss_fn = build(name)
     config = Config(solver=QUIET)
@@ -194,10 +195,9 @@ def plan_json(name: str, shape: tuple[int, ...], names: tuple[str, ...], kind: s
         config = config.with_(pins=_pins(name, names, kind))
     if kind == "dp":
         config = config.with_(input_placements={i: tuple(Shard(0) for _ in names) for i in range(len(inputs))})
-    ctx = make_context(model, autopar.fake_mesh(shape, names, "cpu"), inputs, None, loss_fn, config,
-                       template_layers=None)
-    run_passes(ctx.captured.gm, ctx, passes)
-    return ctx.plan.to_json()
+    comp = compile_plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn, config=config,
+                        template_layers=None, passes=passes)
+    return comp.plan.to_json()
 
 
 # --- what the workers run -----------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def train_parallel(name, shape, names, plan: str) -> dict:
     pm = autopar.parallelize(model, _mesh(shape, names), inputs, loss_fn=loss_fn, plan=Plan.from_json(plan))
     res = _train(pm, inputs, loss_fn, distributed=True)
     axis_groups = {pm.mesh.get_group(a).group_name for a in names}
-    res["bwd_groups"] = ["axis" if g in axis_groups else "other" for _, g in collectives(pm.program.backward)]
+    res["bwd_groups"] = ["axis" if g in axis_groups else "other" for _, g in collectives(pm.program().backward)]
     return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"]}
 
 
@@ -310,7 +310,7 @@ def train_compiled(name, shape, names, plan: str) -> dict:
                              compile=True)
     res = _train(pm, inputs, loss_fn, distributed=True)
     res["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-    res["in_place"] = [n.name for g in (pm.program.forward, pm.program.backward) for n in g.graph.nodes
+    res["in_place"] = [n.name for g in (pm.program().forward, pm.program().backward) for n in g.graph.nodes
                        if str(n.target).endswith("all_reduce_.default")]
     return res if torch.distributed.get_rank() == 0 else {k: res[k] for k in ("losses", "compiled_graphs")}
 
@@ -376,9 +376,10 @@ def test_template_plan_trains_the_full_depth_model():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
     model, inputs, loss_fn = build("llama-small")
-    plan = autopar.plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn,
+    comp = compile_plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn,
                         config=Config(solver=QUIET))
-    assert [b.captured for b in plan.context.captured.blocks] == [2] and plan.blocks == {"layers": 4}
+    plan = comp.plan
+    assert [b.captured for b in comp.captured.blocks] == [2] and plan.blocks == {"layers": 4}
     results = pool.run(train_parallel, "llama-small", shape, names, plan.to_json())
     check_against_reference("llama-small", results)
 
@@ -449,9 +450,9 @@ def evaluate_parallel(name, shape, names, plan: str) -> dict:
     out["loss_grad_enabled"], out["requires_grad"] = loss.item(), loss.requires_grad
     ev = pm.eval_program(x, y)
     out["same_placements"] = ev.plan.param_placements() == pm.plan.param_placements()
-    out["saved"] = ev.program.saved
-    out["backward_ops"] = [n.op for n in ev.program.backward.graph.nodes]
-    out["forward_code"] = ev.program.forward.code
+    out["saved"] = ev.saved
+    out["backward_ops"] = [n.op for n in ev.backward.graph.nodes]
+    out["forward_code"] = ev.forward.code
     out["source_in_train_mode"] = model.training and all(m.training for m in model.modules())
     out["source_requires_grad"] = all(p.requires_grad for p in model.parameters())
     return out

@@ -33,7 +33,7 @@ def setup():
 @pytest.fixture(scope="module")
 def plans(setup):
     model, mesh, inputs = setup
-    config = autopar.Config(device="h100")
+    config = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"})
     return {"solver": autopar.plan(model, mesh, inputs, loss_fn=cross_entropy_loss, config=config),
             **{name: plan_recipe(name, model, mesh, inputs, loss_fn=cross_entropy_loss, config=config, quiet=True)
                for name in ("ddp", "megatron")}}
@@ -150,19 +150,26 @@ def test_recipe_pins():
 
 
 def test_python_api_mirrors_the_cli(tmp_path):
+    """plan.compare, plan.report and autopar.program work on a plan as on its JSON copy; a plan of a live model
+    asks for the model."""
     import torch
 
     import autopar
     from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
 
-    p = autopar.plan(Llama(LLAMA_TINY), autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu"),
-                     (torch.zeros(4, 16, dtype=torch.long),), loss_fn=cross_entropy_loss,
-                     config=autopar.Config(solver=autopar.SolverConfig(show_progress=False)))
-    result = p.compare(["ddp", "megatron"])
-    assert [r.name for r in result.rows][:1] == ["autopar"] and len(result.rows) == 3
-    assert "megatron" in result.table()
-    p.report(str(tmp_path / "r.html"))
-    assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") >= 3
+    model, inputs = Llama(LLAMA_TINY), (torch.zeros(4, 16, dtype=torch.long),)
+    p = autopar.plan(model, autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu"), inputs,
+                     loss_fn=cross_entropy_loss, config=autopar.Config(solver=autopar.SolverConfig(show_progress=False)))
     loaded = autopar.Plan.from_json(p.to_json())
-    with pytest.raises(ValueError, match="autopar.recipes.compare"):
-        loaded.compare()
+    assert loaded == p and loaded.digest() == p.digest() and str(loaded) == str(p)
+    for q in (p, loaded):
+        with pytest.raises(ValueError, match=r"made in Python from a live autopar\.models\.llama\.Llama.*"
+                                             r"plan\.compare\(model, example_inputs\)"):
+            q.compare()
+        result = q.compare(model, inputs, recipes=["ddp", "megatron"], loss_fn=cross_entropy_loss)
+        assert [r.name for r in result.rows] == ["autopar", "ddp", "megatron"]
+        assert result.rows[0].plan is q and "megatron" in result.table()
+        q.report(str(tmp_path / "r.html"))
+        assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") >= 3
+        prog = autopar.program(q, 3, model=model, example_inputs=inputs, loss_fn=cross_entropy_loss)
+        assert prog.rank.coords == (1, 1) and "rank         3 of 4" in str(prog)

@@ -13,7 +13,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.codegen import RankSpec, generate
+from autopar.codegen import RankSpec
+from autopar.compiler import compile_plan
 from autopar.config import Config, SolverConfig
 from autopar.cost import CPU_DEFAULT, GPU_DEFAULT, resolve_precision
 from autopar.errors import PlanMismatchError
@@ -48,8 +49,8 @@ def _fsdp_program(mixed_precision: str):
     model, inputs = _mlp(256, 1024, 256, 4096)
     config = Config(solver=QUIET, device="h100", template_layers=None, mixed_precision=mixed_precision,
                     pins={"*": (Shard(0),)}, input_placements={0: (Shard(0),), 1: (Shard(0),)})
-    plan = autopar.plan(model, autopar.fake_mesh(4, "dp"), inputs, loss_fn=mse, config=config)
-    return plan, generate(plan, plan.context.captured, RankSpec.fake(("dp",), (4,), (1,)))
+    comp = compile_plan(model, autopar.fake_mesh(4, "dp"), inputs, loss_fn=mse, config=config)
+    return comp.plan, comp.program(RankSpec.fake(("dp",), (4,), (1,)))
 
 
 def _collective_dtypes(prog, kind: str, min_numel: int = 0) -> list[torch.dtype]:
@@ -99,8 +100,8 @@ def test_bf16_fsdp_gathers_one_bucket_per_layer_and_dtype():
     for mp in ("bf16", "fp32"):
         config = Config(solver=QUIET, device="h100", mixed_precision=mp, pins={"*": (Shard(0),)},
                         input_placements={0: (Shard(0),)})
-        plan = autopar.plan(model, autopar.fake_mesh(4, "dp"), (tokens,), loss_fn=cross_entropy_loss, config=config)
-        prog = generate(plan, plan.context.captured, RankSpec.fake(("dp",), (4,), (1,)))
+        comp = compile_plan(model, autopar.fake_mesh(4, "dp"), (tokens,), loss_fn=cross_entropy_loss, config=config)
+        prog = comp.program(RankSpec.fake(("dp",), (4,), (1,)))
         gathers[mp] = [k for k, _ in collectives(prog.forward) if k == "all_gather"]
         cats = [n for n in prog.forward.graph.nodes if n.target is torch.ops.aten.cat.default
                 and any("all_gather" in str(u.target) for u in n.users)]
@@ -110,17 +111,15 @@ def test_bf16_fsdp_gathers_one_bucket_per_layer_and_dtype():
     assert len(gathers["bf16"]) == len(gathers["fp32"]) + layers + 1, gathers
 
 def test_plan_of_another_precision_is_refused():
-    from autopar.api import make_context
-    from autopar.passes import annotate_shapes_pass
-    from autopar.runtime.parallelize import check_plan
+    from autopar.compiler import capture_step
+    from autopar.plan_check import check_plan
 
     model, inputs, loss_fn = build("mlp")
     mesh = autopar.fake_mesh(4, "dp", "cpu")
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, config=BF16)
-    ctx = make_context(model, mesh, inputs, None, loss_fn, Config(solver=QUIET), template_layers=None)
-    annotate_shapes_pass(ctx.captured.gm, ctx)
+    comp = capture_step(model, mesh, inputs, None, loss_fn, Config(solver=QUIET), template_layers=None)
     with pytest.raises(PlanMismatchError, match=r"made for mixed_precision='bf16'.*resolves .* to 'fp32'"):
-        check_plan(plan, ctx)
+        check_plan(plan, comp)
 
 
 # --- real collectives: bf16 parallel runs against one device under autocast -----------------------------------
@@ -177,10 +176,10 @@ def train_parallel_bf16(name: str, mesh: str, plan: str, evaluate: bool = False)
         pm.eval()
         with torch.no_grad():
             evaluated["eval_loss"] = pm(*inputs).item()
-        evaluated["eval_matmul_dtypes"] = _matmul_dtypes(pm.eval_program(*inputs).program.forward)
+        evaluated["eval_matmul_dtypes"] = _matmul_dtypes(pm.eval_program(*inputs).forward)
         pm.train()
     out = _train(pm, lambda: pm(*inputs))
-    out.update(evaluated, matmul_dtypes=_matmul_dtypes(pm.program.forward) | _matmul_dtypes(pm.program.backward),
+    out.update(evaluated, matmul_dtypes=_matmul_dtypes(pm.program().forward) | _matmul_dtypes(pm.program().backward),
                code=pm.local_code())
     return out if torch.distributed.get_rank() == 0 else {"losses": out["losses"]}
 

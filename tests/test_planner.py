@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
+from autopar.compiler import compile_plan
 from autopar.models.llama import LLAMA3_70B, LLAMA_SMALL, Llama, cross_entropy_loss
 
 QUIET = autopar.SolverConfig(show_progress=False)
@@ -36,11 +37,16 @@ def mse(out, x, y):
     return F.mse_loss(out, y)
 
 
-def plan_mlp(dims, batch, mesh, **cfg):
+def compile_mlp(dims, batch, mesh, **cfg):
+    """The MLP planned; the Compilation, whose `.plan` is what autopar.plan returns and `.captured` its graph."""
     with torch.device("meta"):
         model = MLP(dims)
     x, y = torch.zeros(batch, dims[0]), torch.zeros(batch, dims[-1])
-    return autopar.plan(model, mesh, (x, y), loss_fn=mse, config=autopar.Config(solver=QUIET, **cfg))
+    return compile_plan(model, mesh, (x, y), loss_fn=mse, config=autopar.Config(solver=QUIET, **cfg))
+
+
+def plan_mlp(dims, batch, mesh, **cfg):
+    return compile_mlp(dims, batch, mesh, **cfg).plan
 
 
 def test_small_model_large_batch_gets_data_parallel():
@@ -56,7 +62,8 @@ def test_small_model_large_batch_gets_data_parallel():
 
 
 def test_wide_mlp_small_batch_gets_megatron_column_then_row():
-    p = plan_mlp([2048, 32768, 2048], 256, autopar.fake_mesh(8, "tp"), device="h100")
+    comp = compile_mlp([2048, 32768, 2048], 256, autopar.fake_mesh(8, "tp"), device="h100")
+    p = comp.plan
     pl = p.param_placements()
     assert pl["layers.0.weight"] == (Shard(0),), pl  # column parallel: output features split
     assert pl["layers.0.bias"] == (Shard(0),)
@@ -67,15 +74,15 @@ def test_wide_mlp_small_batch_gets_megatron_column_then_row():
     # (Under bf16 mixed precision a value may move as its cast: the input's bf16 copy, the output's fp32 copy
     # for the loss.)
     moved = [t for t in p.transitions if t.kind == "activation" and "/fwd/" in t.dst]
-    assert all(_uncast(p, t.src) in ("input/0", "layers.1/fwd/addmm") for t in moved), [(t.src, t.dst) for t in moved]
-    reductions = [t for t in moved if _uncast(p, t.src) == "layers.1/fwd/addmm"]
+    assert all(_uncast(comp.captured, t.src) in ("input/0", "layers.1/fwd/addmm") for t in moved), \
+        [(t.src, t.dst) for t in moved]
+    reductions = [t for t in moved if _uncast(comp.captured, t.src) == "layers.1/fwd/addmm"]
     assert len(reductions) == 1 and reductions[0].steps.split("[")[0] in ("all_reduce", "reduce_scatter")
     assert "tp" in p.techniques
 
 
-def _uncast(p, key: str) -> str:
+def _uncast(cap, key: str) -> str:
     """The node a plan key names, or the value it casts (through dtype casts)."""
-    cap = p.context.captured
     node = cap.nodes.get(key)
     while node is not None and node.target is torch.ops.aten._to_copy.default:
         node = node.args[0]
@@ -121,12 +128,12 @@ def test_template_capture_gives_the_full_graph_plan():
         model = Llama(cfg)
     mesh = autopar.fake_mesh((2, 4), ("dp", "tp"))
     tokens = torch.zeros(8, 256, dtype=torch.long)
-    plans = [autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+    comps = [compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
                           config=autopar.Config(device="h100", template_layers=k, solver=QUIET))
              for k in (2, None)]
-    a, b = plans
-    assert [(x.count, x.captured) for x in a.context.captured.blocks] == [(4, 2)]
-    assert [(x.count, x.captured) for x in b.context.captured.blocks] == [(4, 4)]
+    assert [(x.count, x.captured) for x in comps[0].captured.blocks] == [(4, 2)]
+    assert [(x.count, x.captured) for x in comps[1].captured.blocks] == [(4, 4)]
+    a, b = (c.plan for c in comps)
     assert a.fingerprint == b.fingerprint
     assert a.params == b.params
     assert {k: (v.outs, v.count) for k, v in a.nodes.items()} == {k: (v.outs, v.count) for k, v in b.nodes.items()}
@@ -170,28 +177,27 @@ def test_template_of_layers_that_differ_is_not_applied_to_them(gated):
     """Layers alike in parameters but not in ops: a template whose own layers differ falls back to the whole
     model with a warning; one that cannot see the difference (it lies past the template) is refused by the
     plan check at full depth, naming the op and template_layers=None. Alike layers keep the template."""
-    from autopar.api import make_context
+    from autopar.compiler import capture_step
     from autopar.errors import PlanMismatchError
-    from autopar.passes import annotate_shapes_pass
-    from autopar.runtime.parallelize import check_plan
+    from autopar.plan_check import check_plan
 
     with torch.device("meta"):
         model = _Stack(64, gated)
     mesh = autopar.fake_mesh(2, "dp")
     inputs = (torch.zeros(16, 64), torch.zeros(16, 64))
     cfg = autopar.Config(device="h100", solver=QUIET)
-    full = make_context(model, mesh, inputs, None, mse, cfg, template_layers=None)
-    annotate_shapes_pass(full.captured.gm, full)
+    full = capture_step(model, mesh, inputs, None, mse, cfg, template_layers=None)
     if gated == {1, 2, 3}:
         with pytest.warns(UserWarning, match=r"fwd/(sigmoid|gelu).*template_layers=None"):
-            p = autopar.plan(model, mesh, inputs, loss_fn=mse, config=cfg)
-        assert p.context.captured.blocks[0].captured == 4
-        check_plan(p, full)
+            comp = compile_plan(model, mesh, inputs, loss_fn=mse, config=cfg)
+        assert comp.captured.blocks[0].captured == 4
+        check_plan(comp.plan, full)
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        p = autopar.plan(model, mesh, inputs, loss_fn=mse, config=cfg)
-    assert p.context.captured.blocks[0].captured == 2
+        comp = compile_plan(model, mesh, inputs, loss_fn=mse, config=cfg)
+    p = comp.plan
+    assert comp.captured.blocks[0].captured == 2
     if not gated:
         check_plan(p, full)
         return
@@ -205,7 +211,7 @@ def _tiny_plan_json() -> str:
         model = Llama(dataclasses.replace(LLAMA_SMALL, n_layers=2))
     p = autopar.plan(model, autopar.fake_mesh((2, 2), ("dp", "tp")), (torch.zeros(4, 64, dtype=torch.long),),
                      loss_fn=cross_entropy_loss, config=autopar.Config(solver=QUIET))
-    return p.to_json()
+    return p.to_json(timings=False)
 
 
 def test_plans_are_byte_identical_across_runs_and_processes():
@@ -360,7 +366,8 @@ def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     tokens = torch.zeros(8, 32, dtype=torch.long)
     mesh = autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu")
     cfg = autopar.Config(solver=QUIET)
-    p = autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
+    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
+    p = comp.plan
     ddp = recipes.plan_recipe("ddp", model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=cfg)
     assert p.estimated_step_time <= ddp.estimated_step_time * 1.001, (p.techniques, p.estimated_step_time,
                                                                         ddp.estimated_step_time)
@@ -369,14 +376,14 @@ def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     # parameter); the 10.6 MB of gradients make two DDP-sized buckets.
     import dataclasses
 
-    from autopar.codegen import RankSpec, collectives, generate
+    from autopar.codegen import RankSpec, collectives
 
     rank = RankSpec.fake(("dp", "tp"), (2, 2), (1, 0))
     assert all(lay == (Replicate(), Replicate()) for lay in p.param_placements().values())
     # (The solver may also move an activation where the simulator finds that faster: only the reductions count.)
-    bwd = collectives(generate(p, p.context.captured, rank).backward, rank)
+    bwd = collectives(comp.program(rank).backward, rank)
     assert sorted(c for c in bwd if c[0] == "all_reduce") == [("all_reduce", "dp+tp")] * 2, bwd
     per_axis = dataclasses.replace(rank, flat_groups=())
-    bwd = collectives(generate(p, p.context.captured, per_axis).backward, per_axis)
+    bwd = collectives(comp.program(per_axis).backward, per_axis)
     reductions = sorted(c for c in bwd if c[0] == "all_reduce")
     assert reductions == [("all_reduce", "dp")] * 2 + [("all_reduce", "tp")] * 2, bwd

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autopar
+from autopar.compiler import compile_plan
 from autopar.layout import divides
 from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.redistribute import plan_steps
@@ -18,8 +19,8 @@ SETTINGS = settings(max_examples=6, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def _check_plan_valid(p, limit_bytes: int) -> None:
-    ctx = p.context
+def _check_plan_valid(comp, limit_bytes: int) -> None:
+    p, ctx = comp.plan, comp.ctx
     sizes = ctx.mesh.shape
     for key, strats in ctx.strategies.items():
         node = ctx.members[key][0]
@@ -48,9 +49,9 @@ def test_random_mlps_plan_validly(depth, width, batch, mesh):
         return out.pow(2).mean()
 
     names = ("dp", "tp")[: len(mesh)]
-    p = autopar.plan(model, autopar.fake_mesh(mesh, names, device_type="cpu"), (torch.randn(batch, width),),
-                     loss_fn=loss_fn, config=autopar.Config(solver=QUIET))
-    _check_plan_valid(p, int(64e9))
+    comp = compile_plan(model, autopar.fake_mesh(mesh, names, device_type="cpu"), (torch.randn(batch, width),),
+                        loss_fn=loss_fn, config=autopar.Config(solver=QUIET))
+    _check_plan_valid(comp, int(64e9))
 
 
 @SETTINGS
@@ -63,9 +64,9 @@ def test_random_llamas_plan_validly_under_a_memory_limit(layers, heads, seq, bat
     limit_gb = 0.004
     cfg_ = autopar.Config(solver=QUIET, memory_limit_gb=limit_gb)
     try:
-        p = autopar.plan(model, autopar.fake_mesh(mesh, names, device_type="cpu"),
-                         (torch.zeros(batch, seq, dtype=torch.long),), loss_fn=cross_entropy_loss, config=cfg_)
+        comp = compile_plan(model, autopar.fake_mesh(mesh, names, device_type="cpu"),
+                            (torch.zeros(batch, seq, dtype=torch.long),), loss_fn=cross_entropy_loss, config=cfg_)
     except autopar.InfeasibleMemoryError as e:
         assert "smallest plan found needs" in str(e)
         return
-    _check_plan_valid(p, int(limit_gb * 2**30))
+    _check_plan_valid(comp, int(limit_gb * 2**30))

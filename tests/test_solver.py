@@ -25,13 +25,13 @@ CPU_2X2 = autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu")
 
 
 def _context(model, mesh, inputs, loss_fn, config):
-    """A pass context up to the solver, built as tests/test_execution.py's plan_json builds one (the one place
-    that reaches into the compiler driver)."""
-    from autopar.api import make_context
-    from autopar.passes import PASSES, run_passes, solve_placements_pass
+    """A pass context up to the solver (the one place that reaches into the compiler driver)."""
+    from autopar.compiler import capture_step
+    from autopar.passes import PASSES, annotate_shapes_pass, run_passes, solve_placements_pass
 
-    ctx = make_context(model, mesh, inputs, None, loss_fn, config, template_layers=2)
-    run_passes(ctx.captured.gm, ctx, PASSES[:PASSES.index(solve_placements_pass)])
+    ctx = capture_step(model, mesh, inputs, None, loss_fn, config, template_layers=2).ctx
+    passes = PASSES[:PASSES.index(solve_placements_pass)]
+    run_passes(ctx.captured.gm, ctx, tuple(p for p in passes if p is not annotate_shapes_pass))
     return ctx
 
 

@@ -27,6 +27,11 @@ def _c10d():
     return compat.c10d_functional_ops()
 
 
+# Node meta naming what a collective carries (read by autopar.program's Collective list): the parameters or
+# gradients of a bucket, or the value a single redistribution moves.
+BUCKET_META = "autopar_bucket"
+VALUE_META = "autopar_value"
+
 COLLECTIVE_OPS = ("all_gather_into_tensor", "all_reduce", "all_reduce_", "reduce_scatter_tensor",
                   "all_to_all_single")
 
@@ -47,10 +52,11 @@ def collective_group(node: fx.Node) -> str:
 
 
 def redistribute(b: Builder, x: fx.Node, src: Sequence[Placement], dst: Sequence[Placement], rank: RankSpec,
-                 phase: str, hint: str = "") -> fx.Node:
-    """The local value of `x` (layout `src`) in layout `dst`."""
+                 phase: str, hint: str = "", what: str = "") -> fx.Node:
+    """The local value of `x` (layout `src`) in layout `dst`; `hint` names the nodes, `what` says which value
+    moves (recorded on each collective for the Program's listing)."""
     for st in checked_steps(tuple(src), tuple(dst), rank.axis_names):
-        x = emit_step(b, x, st, rank, phase, hint)
+        x = emit_step(b, x, st, rank, phase, hint, what)
     return x
 
 
@@ -96,7 +102,8 @@ def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Seque
     return tuple(cur) == tuple(dst)
 
 
-def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "") -> fx.Node:
+def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "",
+              what: str = "") -> fx.Node:
     n = rank.axis_sizes[st.axis]
     axis = rank.axis_names[st.axis]
     group = rank.group_names[st.axis]
@@ -105,7 +112,10 @@ def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint
     tag = f"{hint}_{axis}" if hint else axis
 
     def call(target, args, kwargs=None, name=None):
-        return b.call(target, args, kwargs, phase=phase, name=name)
+        node = b.call(target, args, kwargs, phase=phase, name=name)
+        if collective_kind(node) is not None:
+            node.meta[VALUE_META] = what or hint
+        return node
 
     if st.kind == "all_gather":
         y = call(c10d.all_gather_into_tensor.default, (x, n, group), name=f"all_gather_{tag}")
@@ -193,6 +203,7 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axes: 
             y, reduce = b.call(aten.cat.default, (flat,), phase="bwd"), c10d.all_reduce_.default
         for group, tag in groups:
             y = b.call(reduce, (y, "sum", group), phase="bwd", name=f"all_reduce_grad_bucket_{tag}")
+            y.meta[BUCKET_META] = tuple(fqn for fqn, _ in bucket)
             y = b.call(c10d.wait_tensor.default, (y,), phase="bwd", name=f"wait_grad_bucket_{tag}")
         offset = 0
         for fqn, x in bucket:
@@ -221,6 +232,7 @@ def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]
         cat = rows[0] if len(rows) == 1 else b.call(aten.cat.default, (rows, 1), phase="bwd")
         tag = f"grad_bucket_{rank.axis_names[axis]}"
         y = b.call(c10d.reduce_scatter_tensor.default, (cat, "sum", n, group), phase="bwd", name=f"reduce_scatter_{tag}")
+        y.meta[BUCKET_META] = tuple(fqn for fqn, _, _ in bucket)
         y = b.call(c10d.wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
         y = b.call(aten.view.default, (y, [-1]), phase="bwd")
         offset = 0

@@ -3,7 +3,10 @@ backward graph (saved tensors, tangents -> grads).
 
 Forward values computed from parameters and buffers alone (a gathered weight, its transpose, a slice of a
 buffer) are recomputed in the backward graph right before their first use instead of being saved: this is
-the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used.
+the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used. So
+are the values of activation-checkpointed regions (LocalJoint.recompute): their inputs are saved and the
+region runs again in backward, collectives included (every rank recomputes the same ones). Dropout masks are
+always saved, so a recomputed region reuses the forward's mask.
 """
 from __future__ import annotations
 
@@ -13,34 +16,18 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
-from autopar.codegen.schedule import functional, issue_input_collectives_early, simplify
+from autopar.codegen.schedule import issue_input_collectives_early, simplify
 
 
 @dataclasses.dataclass
-class LocalProgram:
-    """One rank's training step as two graphs plus the bookkeeping to call them."""
+class Split:
+    """A local joint graph cut in two: forward (params, buffers, inputs[, rng_seed] -> loss, *saved) and backward
+    (saved, tangents -> grads), and which forward values are saved or recomputed in backward."""
 
-    forward: fx.GraphModule  # (*params, *buffers, *inputs[, rng_seed]) -> (loss, *saved)
-    backward: fx.GraphModule  # (*saved, *tangents) -> (grad per param or None)
-    params: list[str]
-    buffers: list[str]
-    n_inputs: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
     saved: list[str]
     recomputed: list[str]
-    joint: LocalJoint
-    takes_seed: bool = False  # forward takes the step seed of codegen/rng.py last (the program draws dropout masks)
-    seed_as_tensor: bool = False  # ... as a 0-d int64 tensor (the functional form), else as an int
-
-    def functional(self) -> "LocalProgram":
-        """The same program with functional graphs only (no in-place collective), the form compilers take
-        (`torch.compile(prog.functional().backward)`, as `parallelize(compile=True)` does). Its forward takes
-        the step seed as a 0-d int64 tensor."""
-        return dataclasses.replace(self, forward=functional(self.forward), backward=functional(self.backward),
-                                   seed_as_tensor=self.takes_seed)
-
-    def code(self) -> str:
-        """The generated per-rank program as Python text."""
-        return f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
 
 
 def _random(node: fx.Node) -> bool:
@@ -48,7 +35,7 @@ def _random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def split(joint: LocalJoint) -> LocalProgram:
+def split(joint: LocalJoint) -> Split:
     graph = joint.gm.graph
     phase = joint.phase
     params, buffers = list(joint.params.values()), list(joint.buffers.values())
@@ -56,12 +43,17 @@ def split(joint: LocalJoint) -> LocalProgram:
     persistent = set(params) | set(buffers) | constants
     tangents = set(joint.tangents)
     out_node = next(n for n in graph.nodes if n.op == "output")
-    loss, *grads = out_node.args[0]
+    outs = list(out_node.args[0])
+    n_tail = len(joint.updates) + joint.n_outputs
+    loss, grads, tail = outs[0], outs[1:len(outs) - n_tail], outs[len(outs) - n_tail:]
 
     recomputable: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "call_function" and phase[n] == "fwd" and not _random(n):
-            if all(a in persistent or a in recomputable for a in n.all_input_nodes):
+            # Values of parameters alone (a gathered weight), and every value of an activation-checkpointed
+            # region, whose inputs are then saved in its place.
+            region = n in joint.recompute and not any(_random(a) for a in n.all_input_nodes)
+            if region or all(a in persistent or a in recomputable for a in n.all_input_nodes):
                 recomputable.add(n)
 
     def is_bwd(n: fx.Node) -> bool:
@@ -94,17 +86,14 @@ def split(joint: LocalJoint) -> LocalProgram:
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 
-    fwd = _forward_graph(joint, loss, saved)
+    fwd = _forward_graph(joint, loss, tail, saved)
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
     issue_input_collectives_early(fwd.graph, {n.name for n in joint.inputs})
     for gm in (fwd, bwd):
         simplify(gm.graph)
         gm.graph.lint()
         gm.recompile()
-    return LocalProgram(forward=fwd, backward=bwd, params=list(joint.params), buffers=list(joint.buffers),
-                        n_inputs=len(joint.inputs), saved=[s.name for s in saved],
-                        recomputed=sorted(n.name for n in recompute), joint=joint,
-                        takes_seed=joint.rng_seed is not None)
+    return Split(fwd, bwd, [s.name for s in saved], sorted(n.name for n in recompute))
 
 
 def _is_wait(n: fx.Node) -> bool:
@@ -132,17 +121,19 @@ def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
     return new
 
 
-def _forward_graph(joint: LocalJoint, loss: fx.Node, saved: list[fx.Node]) -> fx.GraphModule:
+def _forward_graph(joint: LocalJoint, loss: fx.Node, tail: list[fx.Node], saved: list[fx.Node]) -> fx.GraphModule:
+    """(params, buffers, inputs[, seed]) -> (loss, *tail, *saved): `tail` holds the buffers' new values and the
+    other outputs."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     seed = [joint.rng_seed] if joint.rng_seed is not None else []
     for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs, *seed]:
         _copy(g, p, env)
-    live = _ancestors([loss, *saved], stop=lambda n: n.op == "placeholder")
+    live = _ancestors([loss, *tail, *saved], stop=lambda n: n.op == "placeholder")
     for n in joint.gm.graph.nodes:
         if n in live and n.op in ("call_function", "get_attr"):
             _copy(g, n, env)
-    g.output((env[loss], *[env[s] for s in saved]))
+    g.output((env[loss], *[env[u] for u in tail], *[env[s] for s in saved]))
     return fx.GraphModule(joint.gm, g)  # the joint module holds the constants get_attr nodes read
 
 

@@ -1,6 +1,10 @@
-"""Execution: ParallelModule (DTensor parameters, the generated per-rank program as an autograd.Function)
-and parallelize(), which plans, agrees on the plan across ranks, generates code and loads the weights."""
-from autopar.runtime.module import ParallelModule, input_dtensor
-from autopar.runtime.parallelize import check_plan, parallelize, rank_spec
+"""Execution of generated Programs on torch.distributed: ParallelModule (DTensor parameters, a rank's Program
+run as an autograd.Function), the job's mesh and process groups, agreement on one plan across ranks, and
+parameter state. Nothing here captures a model or plans: `autopar.parallelize` (autopar/api.py) does, and hands
+the runtime Programs and callables that build more."""
+from autopar.runtime.dist import agree_on_plan, agree_on_seed, check_mesh, rank_spec, world
+from autopar.runtime.module import Built, ParallelModule, input_dtensor
+from autopar.runtime.state import load_state, non_persistent_buffers, placeholder_state
 
-__all__ = ["ParallelModule", "parallelize", "rank_spec", "check_plan", "input_dtensor"]
+__all__ = ["Built", "ParallelModule", "input_dtensor", "placeholder_state", "agree_on_plan", "agree_on_seed", "check_mesh", "rank_spec", "world",
+           "load_state", "non_persistent_buffers"]

@@ -1,7 +1,8 @@
 """ParallelModule: DTensor parameters and the generated per-rank program run as one autograd.Function."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -9,14 +10,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from autopar import _torch_compat as compat
-from autopar.codegen import LocalProgram
+from autopar.codegen import functional
 from autopar.codegen.rng import step_seed
 from autopar.layout import fmt_layout
-from autopar.plan import Plan
+from autopar.program import Program
 from autopar.runtime.state import as_dtensor, local_shard, mesh_coords, mesh_device
-
-if TYPE_CHECKING:
-    from autopar.runtime.evaluate import EvalProgram, Evaluator
 
 
 class _Runner:
@@ -24,21 +22,33 @@ class _Runner:
     its plan priced (Config.mixed_precision), and a caller's autocast region must not recast it.
 
     With `compile`, the graphs run compiled by torch.compile (inductor: Triton kernels on GPU, C++ on CPU),
-    each on its first call, from their functional form (LocalProgram.functional)."""
+    each on its first call, from their functional form (autopar.codegen.functional)."""
 
-    def __init__(self, program: LocalProgram, device_type: str, compile: bool = False):
+    def __init__(self, program: Program, device_type: str, compile: bool = False):
         if compile:
-            program = program.functional()
+            program = functional(program)
             self._graphs = tuple(torch.compile(g, dynamic=False, fullgraph=True)
                                  for g in (program.forward, program.backward))
         else:
             self._graphs = program.forward, program.backward
+        self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
+        # Buffers the step updates (batch norm statistics): their positions among the forward's inputs.
+        n = len(program.params)
+        self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor):
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
+        """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
+        module does), and returns the loss, the other outputs (local pieces) and the tensors saved for
+        backward."""
         with torch.autocast(self._device_type, enabled=False):
-            return self._graphs[0](*args)
+            out = self._graphs[0](*args)
+        k, m = len(self._updated), len(self.program.outputs)
+        with torch.no_grad():
+            for i, new in zip(self._updated, out[1:1 + k]):
+                args[i].copy_(new)
+        return out[0], tuple(out[1 + k:1 + k + m]), out[1 + k + m:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
@@ -53,21 +63,33 @@ class _TrainStep(torch.autograd.Function):
     # than a small layer's compute) and their gradients go back as DTensors of the same spec.
 
     @staticmethod
-    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         params = flat[:n_params]
-        out = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
-        loss, saved = out[0], out[1:]
+        loss, outputs, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
         ctx.save_for_backward(*saved)
-        return loss
+        ctx.mark_non_differentiable(*outputs)
+        return (loss, *outputs)
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, *_outputs):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
         grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
+
+
+@dataclasses.dataclass
+class Built:
+    """A training program for a ParallelModule: the Program, the parameters and buffers as DTensors in its
+    layouts, and the callables that build the module's further programs (eval inputs, another rank's)."""
+
+    program: Program
+    params: dict[str, DTensor]
+    buffers: dict[str, DTensor]
+    build_eval_program: Callable[[tuple, dict], Program]
+    program_of_rank: Callable[[int], Program] | None = None
 
 
 class ParallelModule(nn.Module):
@@ -81,60 +103,100 @@ class ParallelModule(nn.Module):
     - train mode, grad enabled: the training program (forward now, backward on `loss.backward()`);
     - train mode under `torch.no_grad()`: the training forward, its tensors for backward dropped at once
       (train-mode semantics, dropout on; the planned input shapes only);
-    - eval mode (`pm.eval()`), grad enabled or not: the model's eval-mode loss from a forward-only program
-      (see autopar.runtime.evaluate), for inputs of any shape; the loss never requires grad (`pm.train()` to
-      train). Each new input signature is captured and planned on its first call, on every rank.
+    - eval mode (`pm.eval()`), grad enabled or not: the model's eval-mode loss from a forward-only program,
+      for inputs of any shape; the loss never requires grad (`pm.train()` to train). Each new input signature
+      gets its program from `build_eval_program(args, kwargs)` on its first call, on every rank.
 
-    The module keeps a reference to the model `parallelize` was given, whose structure those eval captures
-    trace (its weights are never read).
+    Built by `autopar.parallelize`, which hands it either a `Built` training program or a `build(args, kwargs)`
+    callable that makes one from the first call's inputs (every rank makes that call); a Built carries the
+    callables that make further programs (`build_eval_program`, `program_of_rank`). The module never captures
+    or plans itself. Its parameters are registered at construction and keep their identity: when the program
+    arrives, each one takes the plan's placements in place (`torch.utils.swap_tensors`), so an optimizer made
+    before the first call steps the sharded parameters.
     """
 
-    def __init__(self, *, plan: Plan, program: LocalProgram, mesh: DeviceMesh, params: dict[str, DTensor],
-                 buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
-                 input_specs: list[tuple[tuple[int, ...], torch.dtype]], input_layouts: list[tuple],
-                 input_leaves: list[int], requires_grad: dict[str, bool], evaluator: Evaluator,
-                 rng_seed: int = 0, compile: bool = False):
+    def __init__(self, *, mesh: DeviceMesh, params: dict[str, torch.Tensor], buffers: dict[str, DTensor],
+                 aliases: dict[str, list[str]], non_persistent: set[str], requires_grad: dict[str, bool],
+                 built: Built | None = None, build: Callable[[tuple, dict], Built] | None = None, rng_seed: int = 0,
+                 compile: bool = False):
         super().__init__()
-        self.plan = plan
-        self.program = program
+        self.plan = None
         self.mesh = mesh
-        self._evaluator = evaluator
-        self._param_order = list(program.params)
-        self._buffer_order = list(program.buffers)
-        self._input_specs = input_specs
-        self._input_layouts = input_layouts
-        self._input_leaves = input_leaves
+        self._program: Program | None = None
+        self._build = build
+        self._compile = compile
+        self._eval: dict[tuple, _Runner] = {}  # input signature -> the runner of its eval program
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
+        self._non_persistent = non_persistent
         self.manual_seed(rng_seed)
-        program.forward.to(self._device)  # constants the program holds
-        program.backward.to(self._device)
-        self._runner = _Runner(program, mesh.device_type, compile)
-        for fqn in self._param_order:
-            p = nn.Parameter(params[fqn], requires_grad=requires_grad.get(fqn, True))
+        for fqn, t in params.items():
+            p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:
                 _container(self, name).register_parameter(name.rpartition(".")[2], p)
-        for fqn in self._buffer_order:
-            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], buffers[fqn],
-                                                  persistent=fqn not in non_persistent)
+        for fqn, b in buffers.items():
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], b, persistent=fqn not in non_persistent)
+        if built is not None:
+            self._install(built, params_registered=True)
+
+    def _install(self, built: Built, params_registered: bool = False) -> None:
+        """Take a training program: its parameters' placements into the registered Parameter objects (unless
+        they were registered from `built` itself), its buffers, its runner."""
+        program = built.program
+        for fqn in [] if params_registered else program.param_names:
+            p = self.get_parameter(fqn)
+            torch.utils.swap_tensors(p, nn.Parameter(built.params[fqn], requires_grad=p.requires_grad))
+        for fqn in program.buffer_names:
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], built.buffers[fqn],
+                                                  persistent=fqn not in self._non_persistent)
+        program.forward.to(self._device)  # constants the program holds
+        program.backward.to(self._device)
+        self._program, self.plan = program, program.plan
+        self._runner = _Runner(program, self.mesh.device_type, self._compile)
+        self._build_eval_program, self._program_of_rank = built.build_eval_program, built.program_of_rank
+        self._build = None
+
+    def _planned(self, args: tuple, kwargs: dict) -> Program:
+        """The training program, built from these inputs on the first call when none was given."""
+        if self._program is None:
+            if self._build is None:
+                raise ValueError("this ParallelModule has no program and no way to build one")
+            self._install(self._build(args, kwargs))
+        return self._program
 
     # --- running -------------------------------------------------------------------------------------------
     @property
     def input_placements(self) -> list[tuple[Placement, ...]]:
         """Per tensor input (flattened args then kwargs), its placements in mesh_dim_names order."""
-        return list(self._input_layouts)
+        return [tuple(i.layout) for i in self._require_program().inputs]
+
+    def _require_program(self) -> Program:
+        if self._program is None:
+            raise ValueError("the ParallelModule plans on its first call: call it once with a batch (on every "
+                             "rank), or pass example_inputs to autopar.parallelize to plan ahead")
+        return self._program
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        prog = self._planned(args, kwargs)
         if not self.training:
             return self._evaluate(args, kwargs)
         inputs = self._local_inputs(args, kwargs)
-        params = [self.get_parameter(f) for f in self._param_order]
-        buffers = [_local(self.get_buffer(f)) for f in self._buffer_order]
-        seed = self._next_seed(self.program, self._runner.seed_as_tensor)
+        params = [self.get_parameter(f) for f in prog.param_names]
+        buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
+        seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
-            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
-        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+            loss, outputs, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
+                                                    *seed)
+        else:
+            loss, *outputs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+        return self._result(prog, loss, outputs)
+
+    def _result(self, prog: Program, loss: torch.Tensor, outputs) -> Any:
+        """The loss, or (loss, *outputs) with each other output a DTensor in its planned layout."""
+        if not prog.outputs:
+            return loss
+        return (loss, *(as_dtensor(o, self.mesh, spec.layout, spec.shape) for o, spec in zip(outputs, prog.outputs)))
 
     def manual_seed(self, seed: int, step: int = 0) -> None:
         """Restart the random stream dropout masks are drawn from at `seed`, as if the program had run `step`
@@ -142,7 +204,7 @@ class ParallelModule(nn.Module):
         rank with the same values; see autopar/codegen/rng.py for what the masks depend on."""
         self._rng_base, self._rng_step = int(seed), int(step)
 
-    def _next_seed(self, program: LocalProgram, as_tensor: bool = False) -> list:
+    def _next_seed(self, program: Program, as_tensor: bool = False) -> list:
         """The step seed a program that draws dropout masks takes as its last input (an int, or a 0-d int64
         tensor for a compiled program); one per call."""
         if not program.takes_seed:
@@ -151,19 +213,40 @@ class ParallelModule(nn.Module):
         seed = step_seed(self._rng_base, self._rng_step - 1)
         return [torch.tensor(seed, dtype=torch.int64) if as_tensor else seed]
 
-    def eval_program(self, *args: Any, **kwargs: Any) -> EvalProgram:
-        """The forward-only program (`.program`) and its plan (`.plan`) that eval-mode calls with inputs like
-        these run; captured and planned on first use, so call it on every rank."""
-        return self._evaluator.program(args, kwargs)
+    def program(self, rank: int | None = None) -> Program:
+        """The training Program of global rank `rank` (print it to read its code, collectives and buckets);
+        None: the one this rank runs. Another rank's is generated here with placeholder group names."""
+        prog = self._require_program()
+        if rank is None or rank == prog.rank.rank:
+            return prog
+        if self._program_of_rank is None:
+            raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
+        return self._program_of_rank(rank)
+
+    def eval_program(self, *args: Any, **kwargs: Any) -> Program:
+        """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
+        on first use, so call it on every rank."""
+        self._require_program()
+        return self._eval_runner(args, kwargs).program
+
+    def _eval_runner(self, args: tuple, kwargs: dict) -> _Runner:
+        key = _signature(args, kwargs)
+        if key not in self._eval:
+            prog = self._build_eval_program(args, kwargs)
+            prog.forward.to(self._device)  # constants the program holds
+            self._eval[key] = _Runner(prog, self.mesh.device_type)
+        return self._eval[key]
 
     def _evaluate(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        entry = self._evaluator.program(args, kwargs)
+        runner = self._eval_runner(args, kwargs)
+        prog = runner.program
         leaves = compat.tree_leaves((args, kwargs))
-        inputs = [self._eval_input(leaves[i], lay) for i, lay in zip(entry.input_leaves, entry.input_layouts)]
-        params = [compat.dtensor_local(self.get_parameter(f)) for f in entry.program.params]
-        buffers = [_local(self.get_buffer(f)) for f in entry.program.buffers]
-        with torch.no_grad(), torch.autocast(self.mesh.device_type, enabled=False):
-            return entry.program.forward(*params, *buffers, *inputs, *self._next_seed(entry.program))[0]
+        inputs = [self._eval_input(leaves[i.leaf], i.layout) for i in prog.inputs]
+        params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
+        buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
+        with torch.no_grad():
+            loss, outputs, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
+        return self._result(prog, loss, outputs)
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""
@@ -182,8 +265,8 @@ class ParallelModule(nn.Module):
     def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves = compat.tree_leaves((args, kwargs))
         out = []
-        for i, (leaf_idx, (shape, dtype), layout) in enumerate(zip(self._input_leaves, self._input_specs,
-                                                                   self._input_layouts)):
+        for i, spec in enumerate(self._program.inputs):
+            leaf_idx, shape, dtype, layout = spec.leaf, spec.shape, spec.dtype, spec.layout
             if leaf_idx >= len(leaves):
                 raise ValueError(f"the model was planned with at least {leaf_idx + 1} inputs (args then kwargs), "
                                  f"got {len(leaves)}")
@@ -210,7 +293,7 @@ class ParallelModule(nn.Module):
     # --- inspection and state ------------------------------------------------------------------------------
     def local_code(self) -> str:
         """This rank's generated forward and backward programs as Python text."""
-        return self.program.code()
+        return self._require_program().code()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
@@ -237,8 +320,15 @@ class ParallelModule(nn.Module):
                     v.copy_(full)
 
     def extra_repr(self) -> str:
-        mesh = dict(zip(self.plan.mesh.axis_names, self.plan.mesh.shape))
-        return f"mesh={mesh}, params={len(self._param_order)}"
+        mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.mesh.shape))
+        return f"mesh={mesh}, planned={self._program is not None}"
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a traced program depends on: the nesting of the inputs, each tensor's global shape and dtype, and
+    every other value (baked into the graph)."""
+    leaves, spec = compat.tree_flatten((args, kwargs))
+    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 Layout = tuple[Placement, ...]
 
@@ -138,6 +138,55 @@ def init_meta(model: nn.Module, tensors: dict[str, tuple[str, DTensor]], aliases
             raise ValueError(f"{fqn} is on the meta device and {type(model).__name__}'s initializer left it unset "
                              "(init_weights must write every parameter and buffer, e.g. recompute buffers built in "
                              "__init__); or build the model with real weights")
+    return out
+
+
+def load_state(model: nn.Module, program: Any, mesh: DeviceMesh, seed: int | None,
+               aliases: dict[str, list[str]]) -> tuple[dict[str, DTensor], dict[str, DTensor]]:
+    """The program's parameters and buffers as DTensors in its layouts: this rank's shard of the model's real
+    tensors, or, for a model on the meta device, local shards initialized by its `init_weights` (weights the
+    user gave win over the initializer)."""
+    out: dict[str, tuple[str, DTensor]] = {}
+    real: dict[str, torch.Tensor] = {}
+    meta = False
+    for kind, specs in (("param", program.params), ("buffer", program.buffers)):
+        for spec in specs:
+            t = model.get_parameter(spec.name) if kind == "param" else model.get_buffer(spec.name)
+            if t.is_meta:
+                meta = True
+                out[spec.name] = (kind, empty_shard(t.shape, t.dtype, mesh, spec.layout))
+            else:
+                real[spec.name] = t
+                out[spec.name] = (kind, shard_real(t, mesh, spec.layout))
+    if meta:
+        done = init_meta(model, out, aliases, seed, mesh)
+        for fqn, t in real.items():
+            done[fqn] = shard_real(t, mesh, out[fqn][1].placements)
+    else:
+        done = {fqn: dt for fqn, (_, dt) in out.items()}
+    return ({s.name: done[s.name] for s in program.params}, {s.name: done[s.name] for s in program.buffers})
+
+
+def placeholder_state(model: nn.Module, mesh: DeviceMesh,
+                      skip: set[str] = frozenset()) -> tuple[dict[str, DTensor], dict[str, DTensor]]:
+    """Every parameter and buffer of `model` (but those named in `skip`) as a replicated DTensor over its own
+    storage (no copy; on the meta device for a meta model): what a ParallelModule that plans on its first call
+    holds until then, so that an optimizer can be made over its parameters before the plan exists."""
+    def wrap(t: torch.Tensor) -> DTensor:
+        local = t.detach() if t.is_meta else t.detach().to(mesh_device(mesh))
+        return as_dtensor(local, mesh, tuple(Replicate() for _ in mesh.mesh.shape), t.shape)
+
+    params = {n: wrap(p) for n, p in model.named_parameters() if n not in skip}
+    buffers = {n: wrap(b) for n, b in model.named_buffers() if n not in skip}
+    return params, buffers
+
+
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """FQNs of the buffers registered with persistent=False (left out of state_dict)."""
+    out = set()
+    for mod_name, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            out.add(f"{mod_name}.{b}" if mod_name else b)
     return out
 
 

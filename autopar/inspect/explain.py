@@ -8,7 +8,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from autopar.inspect_fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
+from autopar.inspect.techniques import techniques_text
+from autopar.inspect.fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
                                  fmt_time, instances, mesh_text, r6, render, shard_factor, signed)
 from autopar.layout import fmt_layout
 
@@ -152,8 +153,6 @@ def _transitions(plan: Any, key: str) -> list:
 
 def diff(a: Any, b: Any, width: int = 110, labels: tuple[str, str] = ("a", "b")) -> str:
     """Parameters and nodes whose layouts differ between two plans, and the step time and memory deltas."""
-    from autopar.inspect import techniques_text
-
     la, lb = labels
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold")

@@ -1,7 +1,6 @@
-"""Human-readable views of a Plan: the full table, a short summary, and the techniques it amounts to.
+"""The plan as text: the full table (header, parameter placements by block, collectives, costs) and a summary.
 
-Everything here reads only the serialized Plan fields, so a plan loaded from JSON prints the same as a fresh
-one; `explain` and `diff` live in autopar.inspect_explain and are re-exported here.
+Everything here reads only the serialized Plan fields, so a plan loaded from JSON prints the same as a fresh one.
 """
 from __future__ import annotations
 
@@ -10,143 +9,13 @@ from typing import Any
 from rich import box
 from rich.table import Table
 from rich.text import Text
-from torch.distributed.tensor import Replicate, Shard
 
-from autopar.inspect_explain import diff, explain
-from autopar.inspect_fmt import (TOP_LEVEL, axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
-                                 fp8_nodes, group_params, group_transitions, instances, memory_items, mesh_text,
-                                 node_module, param_weight, pipeline_info, r6, render, shard_factor, top_nodes)
+from autopar.inspect.fmt import (axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
+                                 group_params, group_transitions, instances, memory_items, mesh_text,
+                                 param_weight, r6, render, shard_factor, top_nodes)
+from autopar.inspect.techniques import techniques_text
 
-__all__ = ["format_plan", "format_summary", "explain", "diff", "techniques", "TECHNIQUES"]
-
-TECHNIQUES = ("dp", "fsdp", "tp", "sp", "cp", "pp", "ep", "fp8")
-# A parameter share below this fraction of the model does not make an axis "data parallel" or "tensor
-# parallel": the solver may shard or replicate tiny tensors (norm weights) either way at no cost.
-_SIGNIFICANT = 0.05
 _MAX_COLLECTIVES = 12
-
-
-# --- techniques ---------------------------------------------------------------------------------------------
-
-# Forward matmuls: (activation operand, weight operand) positions among the tensor inputs.
-_MATMULS = {"mm": (0, 1), "matmul": (0, 1), "linear": (0, 1), "addmm": (1, 2)}
-
-
-def batch_axes(plan: Any) -> set[int]:
-    """Mesh axes over which some input is split along its batch dim (dim 0)."""
-    return {a for lay in plan.inputs if lay is not None for a, p in enumerate(lay) if isinstance(p, Shard)
-            and p.dim == 0}
-
-
-def _op_name(op: str) -> str:
-    return op.removeprefix("aten.").split(".")[0]
-
-
-def _param_shares(plan: Any, axis: int) -> tuple[float, float]:
-    """(sharded, replicated) fractions of all parameter elements on one mesh axis."""
-    total = sharded = 0.0
-    for key, lay in plan.params.items():
-        w = param_weight(plan, key)
-        total += w
-        if isinstance(lay[axis], Shard):
-            sharded += w
-    return (sharded / total, 1 - sharded / total) if total else (0.0, 0.0)
-
-
-def matmul_roles(plan: Any) -> dict[tuple[int, str], float]:
-    """{(axis, role): share of all parameter elements} from how each forward matmul runs on each axis: on a
-    weight shard ("tp"), or on a batch shard with the weight stored replicated ("dp") or stored sharded and
-    gathered for use ("fsdp"). A matmul is tied to its weight by module name (`<module>/fwd/mm`)."""
-    total = sum(param_weight(plan, k) for k in plan.params) or 1.0
-    roles: dict[tuple[int, str], float] = {}
-    for key, n in plan.nodes.items():
-        pos = _MATMULS.get(_op_name(n.op))
-        pkey = f"{node_module(key)}.weight"
-        if "/fwd/" not in key or pos is None or pkey not in plan.params or max(pos) >= len(n.ins):
-            continue
-        act, weight = n.ins[pos[0]], n.ins[pos[1]]
-        if act is None or weight is None:
-            continue
-        share = param_weight(plan, pkey) / total
-        for a, size in enumerate(plan.mesh.shape):
-            if size == 1:
-                continue
-            if not isinstance(weight[a], Replicate):
-                role = "tp"
-            elif isinstance(act[a], Shard) and act[a].dim == 0:
-                role = "fsdp" if isinstance(plan.params[pkey][a], Shard) else "dp"
-            else:
-                continue
-            roles[(a, role)] = roles.get((a, role), 0.0) + share
-    return roles
-
-
-def tensor_axes(plan: Any) -> set[int]:
-    """Axes that split parameters without splitting the batch, or on which matmuls run on weight shards."""
-    batch = batch_axes(plan)
-    by_params = {a for a in range(len(plan.mesh.shape)) if a not in batch and plan.mesh.shape[a] > 1
-                 and _param_shares(plan, a)[0] >= _SIGNIFICANT}
-    return by_params | {a for (a, role), share in matmul_roles(plan).items() if role == "tp" and share >= _SIGNIFICANT}
-
-
-def _sequence_parallel(plan: Any, tp: set[int]) -> bool:
-    # Norms and the residual adds between sublayers run on (batch, seq, dim) activations; sharding them on
-    # dim 1 over a tensor axis is Megatron's sequence parallelism. Attention internals (heads on dim 1) are not.
-    block_roots = {f"{p}.*" for p in plan.blocks}
-    for key, n in plan.nodes.items():
-        mod = node_module(key)
-        if "/fwd/" not in key or not n.outs:
-            continue
-        norm_like = "norm" in mod.rsplit(".", 1)[-1] or (mod in block_roots and "add" in n.op)
-        if norm_like and any(isinstance(n.outs[0][a], Shard) and n.outs[0][a].dim == 1 for a in tp
-                             if a < len(n.outs[0])):
-            return True
-    return False
-
-
-def _context_parallel(plan: Any) -> bool:
-    # Attention with queries split on the sequence dim (dim 2 of (batch, heads, seq, head_dim)).
-    for n in plan.nodes.values():
-        if "attention" in n.op and n.ins and n.ins[0] is not None:
-            if any(isinstance(p, Shard) and p.dim == 2 for p in n.ins[0]):
-                return True
-    return False
-
-
-def techniques(plan: Any) -> frozenset[str]:
-    """The parallelism techniques a plan amounts to, named as people name them (see TECHNIQUES)."""
-    # Two readings, united: how inputs and stored parameters are split (an axis splitting the batch is data
-    # parallel, fully sharded when it also splits parameters), and how each matmul actually runs, which also
-    # catches plans that give one axis different roles in different layers.
-    found = {role for (_, role), share in matmul_roles(plan).items() if share >= _SIGNIFICANT}
-    for a in batch_axes(plan):
-        if plan.mesh.shape[a] == 1:
-            continue
-        sharded, replicated = _param_shares(plan, a)
-        if replicated >= _SIGNIFICANT:
-            found.add("dp")
-        if sharded >= _SIGNIFICANT:
-            found.add("fsdp")
-    tp = tensor_axes(plan)
-    if tp:
-        found.add("tp")
-        if _sequence_parallel(plan, tp):
-            found.add("sp")
-    if _context_parallel(plan):
-        found.add("cp")
-    if pipeline_info(plan):
-        found.add("pp")
-    if any("expert" in k and any(isinstance(p, Shard) and p.dim == 0 for p in lay) for k, lay in plan.params.items()):
-        found.add("ep")
-    if fp8_nodes(plan):
-        found.add("fp8")
-    return frozenset(found)
-
-
-def techniques_text(plan: Any) -> str:
-    t = techniques(plan)
-    return ", ".join(x for x in TECHNIQUES if x in t) or "none (single-device layout)"
-
 
 # --- the full table -----------------------------------------------------------------------------------------
 
@@ -311,6 +180,11 @@ def format_summary(plan: Any) -> str:
              f"  techniques: {techniques_text(plan)}"]
     if "optimal" in plan.solver_stats:
         lines.append(f"  solver: {gap_text(plan)}")
+    if plan.batch_norms:
+        kinds: dict[str, int] = {}
+        for how in plan.batch_norms.values():
+            kinds[how] = kinds.get(how, 0) + 1
+        lines.append("  batch norm statistics: " + ", ".join(f"{n} {how}" for how, n in sorted(kinds.items())))
     patterns: dict[str, list[str]] = {}
     for key, lay in sorted(plan.params.items()):
         patterns.setdefault(axis_layout(plan.mesh.axis_names, lay), []).append(key)
@@ -325,5 +199,3 @@ def _short(key: str, plan: Any) -> str:
     name = key[len(b[0]) + 3:] if b else key
     return name.removesuffix(".weight")
 
-
-__all__ += ["batch_axes", "tensor_axes", "matmul_roles", "techniques_text", "TOP_LEVEL"]

@@ -14,8 +14,10 @@ from typing import Any
 from matplotlib.figure import Figure
 from torch.distributed.tensor import Partial, Shard
 
-from autopar.inspect_fmt import (comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
+from autopar.inspect.fmt import (comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
                                  group_transitions, memory_items, mesh_text, pipeline_info, top_nodes)
+from autopar.inspect.table import format_plan
+from autopar.inspect.techniques import techniques_text
 from autopar.layout import fmt
 
 _COLORS = {"R": "#d9d9d9", "P": "#c44e52", 0: "#4c72b0", 1: "#55a868", 2: "#8172b2", 3: "#64b5cd"}
@@ -100,12 +102,11 @@ def memory_figure(plan: Any) -> Figure:
 
 
 def comm_figure(plan: Any) -> Figure | None:
-    """Collective time per mesh axis, stacked by collective kind; bytes per axis when the simulation is there."""
+    """Collective time per mesh axis, stacked by collective kind, and bytes per axis."""
     entries = comm_entries(plan.cost_breakdown)
     if not entries:
         return None
-    sim = getattr(plan, "simulation", None)
-    volume = getattr(sim, "comm_bytes_by_axis", None) or {}
+    volume = plan.comm_bytes
     fig = Figure(figsize=(9 if volume else 6, 3))
     axs = fig.subplots(1, 2 if volume else 1, squeeze=False)[0]
     axes = list(plan.mesh.axis_names)
@@ -208,8 +209,6 @@ pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}.none{color:#6
 
 def build_sections(plan: Any) -> list[tuple[str, str, list[tuple[str, Figure | None]]]]:
     """[(section title, html, [(figure name, figure)])] in report order."""
-    from autopar.inspect import format_plan, techniques_text
-
     parts = " / ".join(fmt_time(plan.cost_breakdown.get(k)) for k in ("compute_s", "exposed_comm_s", "optimizer_s"))
     summary = _table(["", ""], [["mesh", mesh_text(plan)], ["device", plan.device],
                                 ["step time", fmt_time(plan.estimated_step_time)],
@@ -254,13 +253,13 @@ def _pipeline_section(plan: Any) -> tuple:
 
 
 def _simulation_section(plan: Any) -> tuple:
-    sim = getattr(plan, "simulation", None)
-    if sim is None or not getattr(sim, "timeline", None):
-        return ("Simulated step", '<p class="none">No simulation attached (plans loaded from JSON carry none; '
-                "re-plan to get the timeline).</p>", [])
-    note = (f"<p>Compute and communication streams of one simulated step (first {len(sim.timeline)} events); "
-            f"exposed communication {fmt_time(sim.exposed_comm)}.</p>")
-    return "Simulated step", note, [("timeline", timeline_figure(sim.timeline, "simulated step (compute stream and "
+    timeline = plan.timeline
+    if not timeline:
+        return ("Simulated step", '<p class="none">This plan records no simulated timeline (it was saved by an '
+                "older autopar; re-plan to get it).</p>", [])
+    note = (f"<p>Compute and communication streams of one simulated step (first {len(timeline)} events); "
+            f"exposed communication {fmt_time(plan.cost_breakdown.get('exposed_comm_s'))}.</p>")
+    return "Simulated step", note, [("timeline", timeline_figure(timeline, "simulated step (compute stream and "
                                                                                "one communication stream per axis)"))]
 
 

@@ -6,8 +6,8 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from autopar.inspect import techniques_text
-from autopar.inspect_fmt import fmt_bytes, fmt_time, render
+from autopar.inspect.techniques import techniques_text
+from autopar.inspect.fmt import fmt_bytes, fmt_time, render
 
 
 def compare_table(result: Any, width: int = 110) -> str:

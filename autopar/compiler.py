@@ -1,0 +1,152 @@
+"""The one compiler driver: capture -> passes -> Plan -> codegen -> per-rank Program.
+
+`autopar.plan`, `autopar.parallelize`, `autopar.program`, the command line, recipe comparisons and the eval
+programs of a ParallelModule all compile through these functions; the runtime only runs the Programs they
+return (and asks for more through the callables `autopar.api` hands it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import Captured, capture
+from autopar.config import Config
+from autopar.cost import get_hardware, resolve_precision
+from autopar.mesh import mesh_spec
+from autopar.plan import Plan
+from autopar.program import Program, RankSpec
+
+
+@dataclasses.dataclass
+class Compilation:
+    """One capture of a model's step and what the passes derived from it (`ctx`, the PassContext: the graph,
+    plan keys, strategies, costs, the solver's choice and the simulated step), and the Plan when planned."""
+
+    ctx: Any
+
+    @property
+    def captured(self) -> Captured:
+        return self.ctx.captured
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
+
+    def program(self, rank: RankSpec, plan: Plan | None = None) -> Program:
+        """The Program of `rank` under `plan` (default: the plan made here)."""
+        from autopar.codegen import generate
+
+        return generate(plan or self.plan, self.captured, rank)
+
+
+def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                 loss_fn: Callable | None, config: Config | None, *, template_layers: int | None,
+                 progress: Any = None, deadline: float | None = None) -> Compilation:
+    """Capture the model's step on `mesh` and key its nodes (the first pass), ready to plan or to check a plan
+    against. Planning must end by `deadline` (time.monotonic()); by default Config.solver_time_limit_s from now."""
+    from autopar.passes import annotate_shapes_pass
+    from autopar.passes.context import PassContext
+
+    config = config or Config()
+    if deadline is None and config.solver_time_limit_s is not None:
+        deadline = time.monotonic() + config.solver_time_limit_s
+    spec = mesh_spec(mesh, dict(config.links) if config.links else None, config.device)
+    device = config.device or ("cpu" if spec.device_type == "cpu" else "h100")
+    hw = get_hardware(device)
+    limit = int(config.memory_limit_gb * 2**30) if config.memory_limit_gb is not None else int(hw.memory_bytes)
+    # One precision for both: capture autocasts to its compute dtype, the cost model prices the resulting graph.
+    precision = resolve_precision(config.mixed_precision, spec.device_type)
+    if progress:
+        progress.update("capturing the joint forward+backward graph")
+    cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
+                  autocast_dtype=precision.autocast_dtype, batch_norm_sums=config.sync_batch_norm)
+    ctx = PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
+                      progress=progress, deadline=deadline)
+    annotate_shapes_pass(cap.gm, ctx)
+    return Compilation(ctx)
+
+
+def solve(comp: Compilation, passes: Sequence[Callable] | None = None) -> Plan:
+    """Run the passes after annotate_shapes (or `passes`, e.g. with a pass standing in for the solver) and
+    return the Plan."""
+    from autopar.passes import PASSES, annotate_shapes_pass, run_passes
+
+    passes = tuple(p for p in (PASSES if passes is None else passes) if p is not annotate_shapes_pass)
+    run_passes(comp.captured.gm, comp.ctx, passes)
+    plan = comp.ctx.plan
+    plan.config = comp.ctx.config.to_json()
+    timings = {"capture_s": comp.captured.capture_seconds}
+    timings.update({name.removesuffix("_pass") + "_s": t for name, t in comp.ctx.timings.items()})
+    plan.timings.update({k: float(f"{v:.3g}") for k, v in timings.items()})
+    return plan
+
+
+def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *,
+                 example_kwargs: dict | None = None, loss_fn: Callable | None = None, config: Config | None = None,
+                 template_layers: Any = "config", passes: Sequence[Callable] | None = None,
+                 progress: Any = None) -> Compilation:
+    """Capture and plan. Repeated layers are captured as a template of `template_layers` layers (default
+    Config.template_layers) when they are alike; layers that differ make it capture the whole model, with a
+    warning."""
+    from autopar.passes.annotate_shapes import layer_differences
+
+    config = config or Config()
+    layers = config.template_layers if template_layers == "config" else template_layers
+    comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=layers,
+                        progress=progress)
+    truncated = any(b.captured < b.count for b in comp.captured.blocks)
+    differ = layer_differences(comp.ctx) if truncated else []
+    if differ:
+        warnings.warn(f"the {layers} template layers differ ({differ[0]}): they cannot stand for the model's other "
+                      "layers, so the whole model is captured instead; pass Config(template_layers=None) to "
+                      "capture it whole from the start", stacklevel=3)
+        comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None,
+                            progress=progress, deadline=comp.ctx.deadline)
+    solve(comp, passes)
+    return comp
+
+
+def fingerprint(comp: Compilation) -> str:
+    """Identity of the captured graph (ops, shapes and counts behind every plan key, depth and mesh)."""
+    from autopar.passes.build_plan import fingerprint as graph_fingerprint
+
+    return graph_fingerprint(comp.ctx)
+
+
+def reject_collectives(cap: Captured) -> None:
+    """A model that already communicates (DTensor, FSDP/TP wrappers, explicit collectives) is refused."""
+    from autopar import _torch_compat as compat
+
+    for node in cap.gm.graph.nodes:
+        ns, _ = compat.op_namespace_and_name(node.target)
+        if node.op == "call_function" and ns in compat.C10D_NAMESPACES:
+            raise ValueError(f"the model already communicates: {node.target} in {cap.module_of.get(node) or 'the root'} "
+                             f"({cap.names.get(node, node.name)}). autopar inserts every collective itself; pass the "
+                             "single-device model, without explicit collectives, DTensor or FSDP/TP wrappers")
+
+
+@contextlib.contextmanager
+def forward_only(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode with no parameter requiring grad (so a trace has no backward); every module's
+    mode and parameter's requires_grad restored on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    requires = [(p, p.requires_grad) for p in model.parameters()]
+    model.eval()
+    for p, _ in requires:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, req in requires:
+            p.requires_grad_(req)
+
+
+__all__ = ["Compilation", "capture_step", "solve", "compile_plan", "fingerprint", "reject_collectives", "forward_only"]
