@@ -12,9 +12,10 @@ class SolverConfig:
     backend: str = "highs"  # "highs" (MIP, default) or "cp-sat" (all-boolean)
     seed: int = 0
     workers: int = 1
-    # Under a binding memory limit, stop once the plan is proven within this fraction of the optimum (the plan
-    # reports its gap and bound); 0 asks for a proof of optimality, which can take minutes on larger graphs.
-    relative_gap: float = 0.05
+    # None (default): plan from the relaxation and its warm starts, and report how far from optimal the plan may
+    # be (its gap and bound). A number: then search on until the plan is proven within that fraction of the
+    # optimum (0: a proof of optimality); under a binding memory limit that proof can take many times as long.
+    relative_gap: float | None = None
     show_progress: bool = True
     # Shards of a tensor's innermost dim narrower than this many elements are not considered for compute
     # (None: 128 on GPU targets, where such shards fall below a tensor-core tile and a full memory
@@ -28,7 +29,7 @@ class SolverConfig:
         if self.backend not in ("highs", "cp-sat"):
             raise ValueError(f"unknown solver backend {self.backend!r}; use SolverConfig(backend=...) with one of: "
                              "highs, cp-sat")
-        if not 0 <= self.relative_gap < 1:
+        if self.relative_gap is not None and not 0 <= self.relative_gap < 1:
             raise ValueError(f"SolverConfig(relative_gap={self.relative_gap}) must be at least 0 and below 1")
 
 

@@ -5,15 +5,17 @@
    as the program prices it, it is the optimal plan (the usual case when the memory limit does not bind).
 2. Otherwise solve the program restricted to the strategies the relaxation uses, plus, when the memory limit
    binds, each parameter's most sharded storage (a small program, quick; RENS in the MIP literature). If its
-   plan is not within half the gap tolerance and memory binds, add the strategies a second relaxation uses
-   under a 10% tighter limit and solve again: the relaxation fills the limit exactly by mixing strategies, a
-   plan needs room to spare. The best of these plans is the warm start.
-3. If the warm start is within `relative_gap` of the relaxation's bound, stop. Else solve the whole program
-   from it, stopping once the plan is proven within `relative_gap`.
+   plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies a
+   second relaxation uses under a 10% tighter limit and solve again: the relaxation fills the limit exactly by
+   mixing strategies, a plan needs room to spare. The best of these plans is the warm start.
+3. Without `relative_gap` (the default), the warm start is the plan, reported with its gap to the relaxation's
+   bound. With one, stop if the warm start is within it, else solve the whole program from the warm start until
+   the plan is proven within it.
 
-The result carries the best proven bound, so a plan stopped at the gap reports how far from optimal it may be.
-Branch and bound closes the last few percent only slowly (a binding memory row, or the exposed time of gradient
-reductions, makes the relaxation mix strategies fractionally), and that proof is what the gap tolerance skips.
+The result carries the best proven bound, so every plan reports how far from optimal it may be. Branch and
+bound closes the last few percent only slowly (a binding memory row makes the relaxation mix strategies
+fractionally), and that proof is what the default skips: the warm start is usually near-optimal, the bound is
+what is weak.
 Every step is deterministic: the same inputs give the same plan unless the deadline passes.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, Prog
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
 _TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one
+_HALF_GAP = 0.025  # without a gap to prove, a warm start this far from the bound still tries the second one
 _WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
 
 
@@ -54,7 +57,7 @@ class _Tracker:
             self.smallest = peak if self.smallest is None else min(self.smallest, peak)
 
 
-def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float,
+def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float | None,
                   on_progress: Callable[[str], None] | None = None) -> Bounded:
     out = _solve(p, backend, deadline, relative_gap, on_progress)
     # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
@@ -75,7 +78,7 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     return out
 
 
-def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float,
+def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float | None,
            on_progress: Callable[[str], None] | None) -> Bounded:
     from autopar.solver.highs import relaxation_highs
 
@@ -99,7 +102,7 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     t = time.perf_counter()
     keep = _union(_support(x), _least_static(p)) if binding else _support(x)
     start = _warm_start(p, keep, backend, deadline, seen)
-    if binding and not _within(start, lb, relative_gap / 2):
+    if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
         try:
             _, x2, _ = relaxation_highs(dataclasses.replace(p, memory_limit=p.memory_limit * _TIGHTER),
                                      _remaining(deadline))
@@ -109,12 +112,12 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         except (ProgramInfeasible, SolverTimeout):
             pass
     timings["warm_start_seconds"] = time.perf_counter() - t
-    if _within(start, lb, relative_gap):
+    if start is not None and (relative_gap is None or _within(start, lb, relative_gap)):
         r = dataclasses.replace(start, bound_s=lb,
                                 optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
         r.stats.update(size, status="OPTIMAL", memory_binds=binding, **timings)
-        return Bounded(r, "warm start within the gap", False)
-    out = _search(p, start, relative_gap, lb, backend, deadline, seen, timings, on_progress,
+        return Bounded(r, "warm start", False)
+    out = _search(p, start, relative_gap or 0.0, lb, backend, deadline, seen, timings, on_progress,
                   "warm start, then search")
     out.result.stats.update(memory_binds=binding)
     return out
