@@ -77,11 +77,25 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             break
         # The linear estimate missed transient buffers: tighten by the overshoot and solve again.
         limit -= (sim.peak_memory - ctx.memory_limit) * 1.05
+    else:
+        # Never hand back a plan that does not fit: it would run out of memory where it runs.
+        raise InfeasibleMemoryError(
+            f"no plan found fits the memory limit of {_fmt_bytes(ctx.memory_limit)} per rank: after "
+            f"{ctx.config.solver.memory_refinements} refinements of the solver's memory bound, its plan still needs "
+            f"{_fmt_bytes(sim.peak_memory)} at the simulated peak. Raise memory_limit_gb (or "
+            "SolverConfig.memory_refinements), use more ranks, or a smaller batch or sequence.")
     if not result.optimal:
         warnings.warn(f"the solver hit its time limit ({problem.time_limit_s} s) before proving "
                       "optimality; returning the best plan found (raise Config(solver_time_limit_s=...))",
                       stacklevel=2)
     return gm
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _raise_infeasible(ctx: PassContext) -> None:
