@@ -1,7 +1,6 @@
 """Real models from transformers plan at scale without missing rules."""
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
@@ -21,16 +20,13 @@ def test_hf_model_plans_on_fake_8x8_without_missing_rules(name):
     model, args, kwargs = MODELS[name](batch=8, **({} if name == "vit" else {"seq": 64}))
     mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
     cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, solver=QUIET)
-    t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a missing rule warns: fail on it
         p = autopar.plan(model, mesh, args, example_kwargs=kwargs, config=cfg)
-    elapsed = time.perf_counter() - t0
     assert p.estimated_step_time > 0 and p.peak_memory_per_rank > 0
     # One entry per parameter; tied weights (one tensor under two names) are one entry.
     names = dict(model.named_parameters(remove_duplicate=False))
     planned = set(p.param_placements())
     assert planned <= set(names)
     assert len({id(names[n]) for n in planned}) == len(planned) == len({id(t) for t in names.values()})
-    assert elapsed < 60
 
