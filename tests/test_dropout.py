@@ -293,6 +293,7 @@ def _reference(masks: list[dict[str, torch.Tensor]]) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_replicas_share_masks_and_shards_do_not():
     pool = get_pool(4)  # boots while this process plans
     plan_text = plan_json()

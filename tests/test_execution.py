@@ -417,7 +417,7 @@ CASES = [
     ("mlp", "dp2xtp2", "random:1"), ("llama", "dp2xtp2", "random:1"),
 ]
 # A few cases for `make test-fast`; the rest run in `make test`.
-FAST = {("mlp", "dp2xtp2", "fsdp_tp"), ("llama", "dp2xtp2", "megatron"), ("hf_llama", "dp2xtp2", "megatron")}
+FAST = {("mlp", "dp2xtp2", "fsdp_tp"), ("llama", "dp2xtp2", "megatron")}
 
 
 def _case(c):
@@ -486,6 +486,7 @@ def train_compiled(name, shape, names, plan: str) -> dict:
     return res if torch.distributed.get_rank() == 0 else {k: res[k] for k in ("losses", "compiled_graphs")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,kind", [("dp2", "dp"), ("dp2", "fsdp"), ("tp2", "megatron")])
 def test_compiled_program_matches_single_device(mesh, kind):
     """The generated graphs, in functional form, compile with torch.compile (inductor) and train like one
@@ -514,6 +515,7 @@ def dropout_eager_and_compiled(shape, names) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_compiled_dropout_draws_the_eager_masks():
     """A compiled program takes the dropout step seed as a tensor: it compiles once and draws the masks the
     eager program draws at every step."""
@@ -526,6 +528,7 @@ def test_compiled_dropout_draws_the_eager_masks():
             _close(compiled["grads"][k], eager["grads"][k], f"grad of {k}")
 
 
+@pytest.mark.slow
 def test_tied_weights_stay_one_parameter():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
@@ -535,6 +538,7 @@ def test_tied_weights_stay_one_parameter():
     assert "out.weight" not in results[0]["grads"]  # named_parameters() lists the shared weight once
 
 
+@pytest.mark.slow
 def test_constants_built_in_forward():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
@@ -542,6 +546,7 @@ def test_constants_built_in_forward():
     check_against_reference("scaled", results)
 
 
+@pytest.mark.slow
 def test_template_plan_trains_the_full_depth_model():
     """autopar.plan() captures 2 of llama-small's 4 layers; its FSDP+TP plan, shipped as JSON, trains all 4: the
     block-relative pins of the template reach every layer's weights."""
@@ -593,6 +598,7 @@ def api_checks(plan: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_api_dtensor_state_and_inputs():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
@@ -637,6 +643,7 @@ def evaluate_parallel(name, shape, names, plan: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,kind", [("dp4", "fsdp"), ("dp2xtp2", "fsdp_tp")])
 def test_eval_runs_forward_only_program_like_one_device(mesh, kind):
     shape, names = MESHES[mesh]
@@ -676,6 +683,7 @@ def train_with_eval(name, shape, names, plan: str) -> dict:
     return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"], **evals}
 
 
+@pytest.mark.slow
 def test_training_continues_after_eval():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
@@ -745,6 +753,7 @@ def _user_collective(_):
     autopar.parallelize(_Communicating(), _mesh((2,), ("tp",)), (torch.randn(4, 8),))
 
 
+@pytest.mark.slow
 def test_user_errors_are_value_errors():
     pool = get_pool(2)
     mlp_tp = plan_json("mlp", (2,), ("tp",), "megatron")
@@ -769,6 +778,7 @@ def plan_on_rank0(batch_by_rank: tuple[int, ...]) -> str:
     return f"{pm(x, y).item():.6f} {pm.plan.digest()}"
 
 
+@pytest.mark.slow
 def test_rank0_plans_and_every_rank_checks_the_graph():
     pool = get_pool(2)
     same = pool.run(plan_on_rank0, (16, 16))
@@ -785,6 +795,7 @@ def kwargs_inputs() -> list[float]:
     return [pm(x, y=y).item(), pm(x, y=y * 0).item()]
 
 
+@pytest.mark.slow
 def test_keyword_inputs():
     pool = get_pool(2)
     model, (x, y), loss_fn = build("mlp")
@@ -792,6 +803,7 @@ def test_keyword_inputs():
     assert got == pytest.approx([loss_fn(model(x, y), x, y).item(), loss_fn(model(x, y), x, y * 0).item()], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_worker_failure_names_rank():
     with pytest.raises(WorkerError, match="rank 0"):
         get_pool(2).run(_boom)

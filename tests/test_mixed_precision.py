@@ -220,6 +220,7 @@ CASES = [("mlp", "dp4", "fsdp"), ("mlp", "dp2xtp2", "fsdp_tp"), ("llama", "dp4",
          ("llama", "dp2xtp2", "fsdp_tp")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,mesh,kind", CASES, ids=["-".join(c) for c in CASES])
 def test_bf16_trains_like_one_device_under_autocast(name, mesh, kind):
     pool = get_pool(math.prod(MESHES[mesh][0]))  # boots in the background while this process plans
@@ -254,6 +255,7 @@ def loss_with_and_without_autocast(plan: str) -> tuple[float, float]:
     return plain, wrapped
 
 
+@pytest.mark.slow
 def test_autocast_around_the_call_changes_nothing():
     """The program holds the casts its plan priced; a caller's autocast region does not recast an fp32 plan."""
     shape, names = MESHES["dp4"]

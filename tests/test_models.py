@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 QUIET = autopar.SolverConfig(show_progress=False)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "t5" else n for n in sorted(MODELS)])
 def test_hf_model_plans_on_fake_8x8_without_missing_rules(name):
     torch.manual_seed(0)
     model, args, kwargs = MODELS[name](batch=8, **({} if name == "vit" else {"seq": 64}))

@@ -214,6 +214,7 @@ def _tiny_plan_json() -> str:
     return p.to_json(timings=False)
 
 
+@pytest.mark.slow
 def test_plans_are_byte_identical_across_runs_and_processes():
     a = _tiny_plan_json()
     assert a == _tiny_plan_json()
@@ -353,6 +354,7 @@ def test_cp_sat_backend_reaches_the_same_optimum_as_highs():
     assert objectives[1] == pytest.approx(objectives[0], rel=1e-3, abs=1e-8)
 
 
+@pytest.mark.slow
 def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     """On 2x2 CPU ranks the small Llama trains fastest data-parallel, with the gradient all-reduce behind the
     backward; pricing that all-reduce as exposed made the solver prefer tensor parallelism."""

@@ -11,8 +11,9 @@ floor for its kind:
 - weights: their updates (after - before, in float64) are compared, not the weights, so a norm weight of 1.0 is
   held to its update of about 1e-3 rather than to its value. AdamW amplifies gradient rounding: an entry whose
   gradient is near eps moves by lr * g / (|g| + eps), which changes by up to lr / (4 eps) per unit of g (250
-  at lr 1e-3, eps 1e-6), so updates differ by up to 2.5e-4 of the tensor's largest update in a correct run
-  (measured). Their atol is UPDATE_ATOL_SCALE (1e-3) times the largest update of the tensor, not below
+  at lr 1e-3, eps 1e-6), and the differences compound over steps: updates differ by up to 3.5e-4 of the
+  tensor's largest update in correct runs (measured). Their atol is UPDATE_ATOL_SCALE (3e-3) times the largest
+  update of the tensor, not below
   UPDATE_FLOOR_LR (1e-3) times the learning rate (a weight whose gradient is zero up to rounding moves by noise
   of up to 7e-8 here). A wrong gradient moves weights by whole fractions of lr.
 - losses and other scalars: rtol and atol 1e-4 of the value.
@@ -34,7 +35,7 @@ import torch
 RTOL = 1e-4
 ATOL_SCALE = 1e-4
 GRAD_FLOOR_SCALE = 1e-8
-UPDATE_ATOL_SCALE = 1e-3
+UPDATE_ATOL_SCALE = 3e-3
 UPDATE_FLOOR_LR = 1e-3
 
 
