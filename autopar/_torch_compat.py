@@ -71,9 +71,60 @@ def export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, args: tup
     return aot_export_joint_with_descriptors(stack, module, args, kwargs, decompositions=decompositions)
 
 
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """`torch.compiler.is_compiling()` is True inside, as while torch.compile traces a model: libraries skip the
+    data-dependent checks they skip under compilation (transformers' mask shortcuts and packed-sequence
+    detection read tensor values otherwise)."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+CHECKPOINT_KEY = "autopar_checkpoint"
+
+
+@contextlib.contextmanager
+def checkpoint_regions() -> Iterator[None]:
+    """Trace `torch.utils.checkpoint.checkpoint` regions (reentrant or not, however the caller bound the function,
+    e.g. transformers' gradient_checkpointing_enable) as plain forward code whose nodes carry
+    `meta["custom"][CHECKPOINT_KEY]` = the region's number: a joint-graph trace would otherwise keep every
+    activation, and codegen recomputes the tagged values in backward instead of saving them."""
+    import torch.utils.checkpoint as ckpt
+
+    counter = iter(range(1 << 30))
+
+    def generator(fn, preserve_rng_state=True, context_fn=None, determinism_check=None, debug=False,
+                  early_stop=True, *args, **kwargs):
+        with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+            yield
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+                return function(*args)
+
+    saved = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, Reentrant
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = saved
+
+
+def checkpoint_region(node: torch.fx.Node) -> int | None:
+    """The checkpoint region a traced node was computed in (see checkpoint_regions), or None."""
+    return (node.meta.get("custom") or {}).get(CHECKPOINT_KEY)
+
+
 def descriptor_kind(desc: Any) -> tuple[str, Any]:
     """Classify an AOT input/output descriptor: ('param', fqn), ('buffer', fqn), ('input', idx), ('tangent', i),
-    ('loss', idx), ('grad_param', fqn), ('grad_input', idx) or ('other', desc)."""
+    ('loss', idx), ('grad_param', fqn), ('grad_input', idx), ('mutated_buffer', fqn), ('mutated_input', idx),
+    ('mutated_param', fqn) or ('other', desc)."""
     name = type(desc).__name__
     if name == "ParamAOTInput":
         return "param", desc.target
@@ -88,6 +139,9 @@ def descriptor_kind(desc: Any) -> tuple[str, Any]:
     if name == "GradAOTOutput":
         inner_kind, inner = descriptor_kind(desc.grad_of)
         return ("grad_param", inner) if inner_kind == "param" else ("grad_input", inner)
+    if name == "InputMutationAOTOutput":  # the new value of an input the step mutates in place
+        inner_kind, inner = descriptor_kind(desc.mutated_input)
+        return f"mutated_{inner_kind}", inner
     return "other", desc
 
 

@@ -51,6 +51,15 @@ class Captured:
     input_specs: list[tuple[tuple[int, ...], torch.dtype]]
     param_specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     capture_seconds: float = 0.0
+    # Forward nodes the model computes inside activation checkpointing (torch.utils.checkpoint, transformers'
+    # gradient_checkpointing_enable): recomputed in backward rather than saved.
+    checkpointed: set[fx.Node] = dataclasses.field(default_factory=set)
+    # Buffers the step updates in place (batch norm running statistics, counters): FQN -> the new value.
+    mutations: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+    # FQNs of the batch norm modules that run in training mode (they compute batch statistics).
+    batch_norms: list[str] = dataclasses.field(default_factory=list)
+    # Outputs besides the loss, when the loss function returns (loss, *outputs): returned, never differentiated.
+    outputs: list[fx.Node] = dataclasses.field(default_factory=list)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -72,9 +81,10 @@ class _LossWrapper(nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.model(*args, **kwargs)
-        if self.loss_fn is not None:
-            return self.loss_fn(out, *args, **kwargs)
-        return _loss_from_output(out)
+        res = self.loss_fn(out, *args, **kwargs) if self.loss_fn is not None else _loss_from_output(out)
+        if isinstance(res, (tuple, list)):  # (loss, *other outputs): the others are returned, not differentiated
+            return (res[0], *(x.detach() for x in res[1:]))
+        return res
 
 
 def _loss_from_output(out: Any) -> torch.Tensor:
@@ -155,18 +165,23 @@ def _to_fake_input(x: Any, mode) -> Any:
     return x
 
 
-def _decompositions() -> dict:
+def _decompositions(batch_norm_sums: bool = False) -> dict:
     from torch._decomp import get_decompositions
 
     # Loss reductions become sum / count so a sharded batch reduces exactly (uneven ignore_index too).
     aten = torch.ops.aten
-    return get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
-                               aten.nll_loss2d_backward, aten.mse_loss, aten.mse_loss_backward])
+    out = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward, aten.nll_loss2d_forward,
+                              aten.nll_loss2d_backward, aten.mse_loss, aten.mse_loss_backward])
+    if batch_norm_sums:  # training batch norm as per-channel sums: a batch-sharded input uses global statistics
+        from autopar.rules.sync_batch_norm import DECOMPOSITIONS
+
+        out.update(DECOMPOSITIONS)
+    return out
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
             loss_fn: LossFn | None = None, *, template_layers: int | None = None,
-            autocast_dtype: torch.dtype | None = None) -> Captured:
+            autocast_dtype: torch.dtype | None = None, batch_norm_sums: bool = False) -> Captured:
     """Trace model+loss into a joint graph. With `template_layers=k`, repeated layer stacks are cut to k
     layers during the trace (the planner scales their costs back up), so capture time does not grow with depth.
 
@@ -175,7 +190,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     policy is autocast's CPU op lists whatever the target device, since the trace runs on CPU fake tensors
     (CUDA autocast cannot be traced without a GPU) and one policy makes a plan's graph the same on every host.
     Without it, autocast is off during the trace even inside a caller's autocast region, so the graph is the
-    precision planned."""
+    precision planned. With `batch_norm_sums`, training batch norm is traced as per-channel sums
+    (autopar/rules/sync_batch_norm.py), which a batch-sharded layout reduces across ranks: global statistics, as
+    SyncBatchNorm computes them."""
     t0 = time.perf_counter()
     kwargs = dict(example_kwargs or {})
     mode = compat.fake_tensor_mode()
@@ -184,9 +201,10 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         args = tuple(_to_fake_input(a, mode) for a in example_inputs)
         kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
         try:
-            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), \
+            with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), compat.compiling(), \
+                    compat.checkpoint_regions(), \
                     torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-                joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions())
+                joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions(batch_norm_sums))
                 gm = joint.graph_module
         except ValueError:
             raise
@@ -197,6 +215,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     _dedupe_casts(gm)
     cap = _describe(gm, block_list)
     cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
+    cap.batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                       and m.training and n in set(cap.module_of.values())]
     cap.capture_seconds = time.perf_counter() - t0
     return cap
 
@@ -247,16 +267,18 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
         keep, others = present[0] if present else None, present[1:]
         for other in others:
             placeholders[other].replace_all_uses_with(placeholders[keep])
-            gk, go = values[grad_pos[keep]], values[grad_pos[other]]
-            if go is not None:
-                if gk is None:
-                    values[grad_pos[keep]] = go
-                else:
-                    with gm.graph.inserting_before(out):
-                        total = gm.graph.call_function(torch.ops.aten.add.Tensor, (gk, go))
-                    total.meta.update(gk.meta)
-                    values[grad_pos[keep]] = total
-            drop.add(grad_pos[other])
+            # A frozen tied weight (requires_grad=False under every name) has no gradient output at all.
+            if other in grad_pos:
+                gk, go = values[grad_pos[keep]], values[grad_pos[other]]
+                if go is not None:
+                    if gk is None:
+                        values[grad_pos[keep]] = go
+                    else:
+                        with gm.graph.inserting_before(out):
+                            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (gk, go))
+                        total.meta.update(gk.meta)
+                        values[grad_pos[keep]] = total
+                drop.add(grad_pos[other])
             gm.graph.erase_node(placeholders[other])
     out.args = (tuple(v for i, v in enumerate(values) if i not in drop),)
     out.meta["desc"] = [d for i, d in enumerate(descs) if i not in drop]
@@ -294,12 +316,25 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
     out = next(n for n in gm.graph.nodes if n.op == "output")
+    mutations, outputs = {}, []
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)
-        if kind == "loss":
+        if kind == "loss" and loss is None:
             loss = value
+        elif kind == "loss":
+            outputs.append(value)
         elif kind == "grad_param" and value is not None:
             grads[_strip(what)] = value
+        elif kind == "mutated_buffer":
+            mutations[_strip(what)] = value
+        elif kind == "mutated_input":
+            raise CaptureError(f"the model changes its input {what} in place (an in-place op such as `x.add_()` "
+                               "or `x[...] = ...` on an argument of forward); autopar cannot carry that to the "
+                               "caller's tensor: compute on a copy (`x = x.clone()`) or out of place")
+        elif kind == "mutated_param":
+            raise CaptureError(f"the model changes the parameter {_strip(what)} in place during the step; only the "
+                               "optimizer may update parameters under autopar: make the update out of place, or "
+                               "keep the value in a buffer (register_buffer)")
     if loss is None:
         raise CaptureError("the traced graph has no loss output")
     module_of, phase = _attribute(gm, [b.prefix for b in blocks])
@@ -324,9 +359,11 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)(\.|$)", mod or "")
             if m:
                 block_of[node] = (b.prefix, int(m.group(1)))
+    checkpointed = {n for n, ph in phase.items() if ph == "fwd" and compat.checkpoint_region(n) is not None}
     cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
-                   block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs)
+                   block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
+                   checkpointed=checkpointed, mutations=mutations, outputs=outputs)
     return cap
 
 

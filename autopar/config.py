@@ -44,6 +44,10 @@ class Config:
                      in fp32 and hands back fp32 gradients for an fp32 optimizer step. "fp32": no casts,
                      every op in the parameters' dtype. None (default): "bf16" on GPU meshes, "fp32" on CPU
                      meshes. The plan records it and is priced under it.
+    sync_batch_norm: training batch norm is captured as per-channel sums (autopar/rules/sync_batch_norm.py), so
+                     the planner may split its input over the batch and reduce the statistics across ranks
+                     (global statistics, as SyncBatchNorm), shard its channels (exact locally) or replicate it,
+                     whichever costs least; False keeps the fused kernel, which shards channels only.
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
@@ -57,6 +61,7 @@ class Config:
     solver_time_limit_s: float | None = None
     mixed_precision: str | None = None
     template_layers: int | None = 2
+    sync_batch_norm: bool = True
     solver: SolverConfig = SolverConfig()
 
     def to_json(self) -> dict:

@@ -1,5 +1,6 @@
-"""`make demo`: plan Llama-3-8B on a simulated 8x8 H100 cluster, then train the small built-in Llama on four
-CPU processes (a 2x2 gloo mesh) beside a single-device reference."""
+"""`make demo`: plan Llama-3-8B on a simulated 8x8 H100 cluster, then train the built-in `llama-wide` on four CPU
+processes (a 2x2 gloo mesh) beside a single-device reference: the planner splits its matmuls over the tp axis,
+and the demo prints what each rank holds, which collectives its program runs, and both losses step by step."""
 from __future__ import annotations
 
 import os
@@ -33,10 +34,10 @@ def train_small() -> int:
     if not script.exists():
         print(f"training example not found at {script}; run the demo from a source checkout")
         return 1
-    print("== Training the small Llama on 4 CPU processes (2x2 dp x tp mesh, gloo) ==")
+    print("== Training llama-wide (19M parameters) on 4 CPU processes (2x2 dp x tp mesh, gloo) ==")
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "4", str(script), "--steps", "30"]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "4", str(script), "--steps", "20"]
     return subprocess.call(cmd, env=env)
 
 

@@ -105,6 +105,10 @@ class Plan:
     # (Config.to_json()), so the file alone can rebuild, compare and re-generate it.
     model: dict | None = None
     config: dict | None = None
+    # How each training-mode batch norm computes its statistics: module FQN -> "global over <axes>" (input split
+    # over the batch on those axes, per-channel sums all-reduced, as SyncBatchNorm), "channels split" or "local"
+    # (replicated); see Config.sync_batch_norm.
+    batch_norms: dict[str, str] = dataclasses.field(default_factory=dict)
     # Seconds per planning stage (capture and each pass): reported, never part of the digest.
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     # The simulated step for plots: communication bytes per rank per axis, and the first events of the compute
@@ -221,7 +225,7 @@ class Plan:
             "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
             "transitions": [t.to_json() for t in self.transitions],
             "solver": dict(sorted(self.solver_stats.items())),
-            "model": self.model, "config": self.config,
+            "model": self.model, "config": self.config, "batch_norms": dict(sorted(self.batch_norms.items())),
             "timings": dict(sorted(self.timings.items())) if timings else {},
             "comm_bytes": dict(sorted(self.comm_bytes.items())), "timeline": self.timeline,
         }
@@ -252,6 +256,7 @@ class Plan:
                 fingerprint=d["fingerprint"], blocks=d.get("blocks", {}), param_numel=d.get("param_numel", {}),
                 memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
                 mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
+                batch_norms=d.get("batch_norms", {}),
                 timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "

@@ -11,14 +11,14 @@ import warnings
 import torch
 
 import autopar
-from autopar.testing.hf_models import MODELS
+from autopar.testing.hf_models import IMAGE_MODELS, MODELS
 
 
 def main() -> None:
     print(f"{'model':8} {'plan s':>7} {'missing-rule warnings':>22}  techniques")
     for name in sorted(MODELS):
         torch.manual_seed(0)
-        model, args, kwargs = MODELS[name](batch=8, **({} if name == "vit" else {"seq": 64}))
+        model, args, kwargs = MODELS[name](batch=8, **({} if name in IMAGE_MODELS else {"seq": 64}))
         mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
         cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"},
                              solver=autopar.SolverConfig(show_progress=False))

@@ -86,10 +86,40 @@ def _roles(gm: fx.GraphModule, ctx: PassContext) -> None:
         ins = node.all_input_nodes
         if ins and all(a in params or a in ctx.param_derived for a in ins):
             ctx.param_derived.add(node)
+    recomputed = ctx.recomputed = _checkpointed(cap)
     for node in gm.graph.nodes:
         if node.op == "call_function" and cap.phase[node] == "fwd" and node not in ctx.param_derived:
             if any(u.op == "call_function" and cap.phase[u] == "bwd" for u in node.users):
-                ctx.saved.add(ctx.key[_view_base(node, ctx)])
+                for kept in _kept_for(node, recomputed, ctx):
+                    ctx.saved.add(ctx.key[_view_base(kept, ctx)])
+
+
+def _checkpointed(cap) -> set[fx.Node]:
+    """Forward nodes codegen recomputes in backward because the model checkpoints them (not random ops, whose
+    masks are kept, nor what reads a random op's outputs)."""
+    def random(n: fx.Node) -> bool:
+        return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+    return {n for n in cap.checkpointed if not random(n) and not any(random(a) for a in n.all_input_nodes)}
+
+
+def _kept_for(node: fx.Node, recomputed: set[fx.Node], ctx: PassContext) -> list[fx.Node]:
+    """What backward keeps to use `node`: the node itself, or, inside a checkpointed region, the region's inputs
+    that recomputing it reads."""
+    if node not in recomputed:
+        return [node]
+    out, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in seen or a.op != "call_function" or a in ctx.param_derived:
+                continue
+            seen.add(a)
+            if a in recomputed:
+                stack.append(a)
+            else:
+                out.append(a)
+    return out
 
 
 def producer(node: fx.Node) -> tuple[fx.Node, int]:
@@ -143,6 +173,10 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
         u, out = producer(g)
         pnode = cap.params[fqn]
         add(u, out, ctx.key[pnode], -1, _scale(ctx, pnode)[1], "grad", _tensor_meta(pnode))
+    for fqn, value in cap.mutations.items():  # a buffer's new value goes to the buffer's own layout
+        u, out = producer(value)
+        bnode = cap.buffers[fqn]
+        add(u, out, ctx.key[bnode], -1, _scale(ctx, bnode)[1], "buffer", _tensor_meta(bnode))
     u, out = producer(cap.loss)
     add(u, out, "<loss>", -1, 1.0, "loss", _tensor_meta(cap.loss))
     ctx.edges = [Edge(src, out, dst, arg, count, kind, meta)

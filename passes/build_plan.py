@@ -50,8 +50,29 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                         "optimizer_s": sim.optimizer_time, **{f"comm[{k}]_s": v for k, v in sim.comm_by_axis.items()}},
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
-        comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]])
+        comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
+        batch_norms=_batch_norms(ctx))
     return gm
+
+
+def _batch_norms(ctx: PassContext) -> dict[str, str]:
+    """How each training batch norm gets its statistics, read from the layout of its input where the first
+    statistic is taken (the fused kernel, or the first per-channel sum of the decomposed form)."""
+    from torch.distributed.tensor import Shard
+
+    cap, names = ctx.captured, ctx.mesh.axis_names
+    out = {}
+    for fqn in cap.batch_norms:
+        key = next((k for k in (f"{fqn}/fwd/sum", f"{fqn}/fwd/_native_batch_norm_legit_functional")
+                    if ctx.captured.block_relative(k) in ctx.strategies), None)
+        if key is None:
+            continue
+        lay = ctx.chosen(cap.block_relative(key)).ins[0]
+        batch = [a for a, p in zip(names, lay) if isinstance(p, Shard) and p.dim == 0]
+        channels = [a for a, p in zip(names, lay) if isinstance(p, Shard) and p.dim == 1]
+        out[fqn] = (f"global over {'+'.join(batch)}" if batch else
+                    f"channels split over {'+'.join(channels)}" if channels else "local")
+    return out
 
 
 def node_op(key: str, node: fx.Node) -> str:

@@ -21,7 +21,7 @@ class Edge:
     dst: str
     arg: int
     count: float
-    kind: str  # activation | param | grad
+    kind: str  # activation | param | grad | buffer (a mutated buffer's new value) | loss
     meta: Any = None  # TensorMeta of the value on the edge
 
 
@@ -41,6 +41,8 @@ class PassContext:
     node_count: dict[str, float] = dataclasses.field(default_factory=dict)
     saved: set[str] = dataclasses.field(default_factory=set)
     param_derived: set[fx.Node] = dataclasses.field(default_factory=set)
+    # forward nodes of the model's activation-checkpointed regions, recomputed in backward by codegen
+    recomputed: set[fx.Node] = dataclasses.field(default_factory=set)
     edges: list[Edge] = dataclasses.field(default_factory=list)
     # enumerate_strategies
     strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)

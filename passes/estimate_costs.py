@@ -112,8 +112,9 @@ def _memory(ctx: PassContext) -> None:
         if key in param_keys:
             shape = tuple(node.meta["val"].shape)
             numel = math.prod(shape)
+            trainable = cap.names[node].split("/", 1)[1] in cap.grads  # frozen: no grad, no optimizer state
             ctx.memory_cost[key] = [count * param_state_bytes(numel // split_factor_shard(s.outs[0], sizes),
-                                                              ctx.precision) for s in strats]
+                                                              ctx.precision, trainable) for s in strats]
         elif key in saved_outputs:
             metas = op_info(node).outputs
             ctx.memory_cost[key] = [
@@ -136,11 +137,12 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
     else:
         dst_layouts, dst_index = [], []
         for s in ctx.strategies[e.dst]:
-            lay = s.outs[0] if e.kind == "grad" else s.ins[e.arg]
+            # A gradient or a buffer's new value goes to where its parameter or buffer is stored.
+            lay = s.outs[0] if e.kind in ("grad", "buffer") else s.ins[e.arg]
             if lay not in dst_layouts:
                 dst_layouts.append(lay)
             dst_index.append(dst_layouts.index(lay))
-    dtype = ctx.precision.grad_dtype if e.kind == "grad" else compute_dtype(e.meta.dtype, ctx)
+    dtype = {"grad": ctx.precision.grad_dtype, "buffer": e.meta.dtype}.get(e.kind) or compute_dtype(e.meta.dtype, ctx)
     # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
     bucketed = e.kind == "grad"
     cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, bucketed) for b in dst_layouts]

@@ -131,17 +131,20 @@ def _shard(layout, sizes) -> int:
     return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
 
 
-def _param_local_numel(ctx: PassContext) -> float:
+def _param_local_numel(ctx: PassContext, trainable_only: bool = False) -> float:
+    """Parameter elements this rank stores (only those with a gradient: trainable_only)."""
     total = 0.0
     for fqn, node in ctx.captured.params.items():
+        if trainable_only and fqn not in ctx.captured.grads:
+            continue
         lay = ctx.chosen(ctx.key[node]).outs[0]
         total += math.prod(node.meta["val"].shape) / _shard(lay, ctx.mesh.shape) * _scale(ctx, node)[1]
     return total
 
 
 def _optimizer_time(ctx: PassContext) -> float:
-    # AdamW reads and writes param, grad and both moments: memory bound.
-    numel = _param_local_numel(ctx)
+    # AdamW reads and writes param, grad and both moments of each trainable parameter: memory bound.
+    numel = _param_local_numel(ctx, trainable_only=True)
     per_elem = 2 * (4 + 4 + ctx.precision.optimizer_state_bytes_per_param)
     return numel * per_elem / ctx.hw.hbm_bandwidth
 
@@ -149,10 +152,11 @@ def _optimizer_time(ctx: PassContext) -> float:
 def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     p = ctx.precision
     numel = _param_local_numel(ctx)
+    trained = _param_local_numel(ctx, trainable_only=True)  # frozen parameters have no grad or optimizer state
     param_b = numel * torch.tensor([], dtype=p.param_dtype).element_size()
-    grad_b = numel * torch.tensor([], dtype=p.grad_dtype).element_size()
-    opt_b = numel * p.optimizer_state_bytes_per_param
-    master = numel * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
+    grad_b = trained * torch.tensor([], dtype=p.grad_dtype).element_size()
+    opt_b = trained * p.optimizer_state_bytes_per_param
+    master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
     static = param_b + grad_b + opt_b + master
     peak = _activation_peak(ctx)
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
@@ -182,8 +186,9 @@ def _activation_peak(ctx: PassContext) -> float:
 
     An allocation lives from its node to its last reader (through views of it); gradients handed to the
     output are reduced into the persistent grad buffers at once. Values computed only from parameters (a
-    gathered or cast weight) are recomputed in backward rather than kept, as codegen's partition does: they
-    live during their forward uses and again during their backward uses. In a template capture (k of L layers
+    gathered or cast weight), and the values of the model's activation-checkpointed regions, are recomputed in
+    backward rather than kept, as codegen's partition does: they live during their forward uses and again
+    during their backward uses. In a template capture (k of L layers
     traced) a layer's value kept from forward into backward stands for L/k layers' copies, as its costs do;
     values used up within the forward or within the backward are transient and count once."""
     cap = ctx.captured
@@ -204,7 +209,7 @@ def _activation_peak(ctx: PassContext) -> float:
         fwd = [i for i in uses[o] if cap.phase[nodes[i]] == "fwd"]
         bwd = [i for i in uses[o] if cap.phase[nodes[i]] == "bwd"]
         b = _node_bytes(ctx, o)
-        if o in ctx.param_derived and cap.phase[o] == "fwd":
+        if (o in ctx.param_derived or o in ctx.recomputed) and cap.phase[o] == "fwd":
             spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
         else:
             if cap.phase[o] == "fwd" and bwd:

@@ -135,6 +135,28 @@ def test_embedding_reads_only_gathered_rows():
     assert op_bytes(info) == out_bytes + out_bytes + 4 * 128 * 8
 
 
+def test_pooling_norm_and_upsampling_are_memory_bound_with_the_bytes_their_kernels_move():
+    x, half, vec = T(8, 64, 32, 32), T(8, 64, 16, 16), T(64, dtype=F32)
+    idx = T(8, 64, 16, 16, dtype=torch.int64)
+    # Max pooling backward reads grad_output and the argmax indices; the input only gives grad_input's shape.
+    pool_bw = op(aten.max_pool2d_with_indices_backward.default, (half, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx),
+                 (x,))
+    assert op_bytes(pool_bw) == half.numel * 2 + idx.numel * 8 + x.numel * 2
+    # Training batch norm reads its input twice (statistics, then normalization); eval mode once.
+    train = op(aten._native_batch_norm_legit_functional.default, (x, vec, vec, vec, vec, True, 0.1, 1e-5),
+               (x, vec, vec, vec, vec))
+    assert op_bytes(train) == 3 * x.numel * 2 + 8 * 64 * 4
+    evaluated = op(aten._native_batch_norm_legit_no_training.default, (x, vec, vec, vec, vec, 0.1, 1e-5),
+                   (x, T(0, dtype=F32), T(0, dtype=F32)))
+    assert op_bytes(evaluated) == 2 * x.numel * 2 + 4 * 64 * 4
+    # A nearest upsampling lookup writes four times its input and reads the input once.
+    rows, cols = T(64, 1, dtype=torch.int64), T(64, dtype=torch.int64)
+    up = dataclasses.replace(op(aten._unsafe_index.Tensor, (x, [None, None, rows, cols]), (T(8, 64, 64, 64),)),
+                             inputs=(x, rows, cols))
+    assert op_bytes(up) == 4 * x.numel * 2 + x.numel * 2 + 128 * 8
+    for info in (pool_bw, train, evaluated, up):
+        assert compute_time(info, H100) == op_bytes(info) / H100.hbm_bandwidth
+
 def _sdpa_forward(b, h, s, d, causal=False, target=aten._scaled_dot_product_flash_attention_for_cpu.default):
     q = T(b, h, s, d)
     return op(target, (q, q, q, 0.0, causal), (q, T(b, h, s, dtype=F32)))

@@ -12,7 +12,7 @@ from torch import nn
 from autopar.capture import capture
 from autopar.layout import P, R, S
 from autopar.rules import (AxisStrategy, axis_strategies, clear_missing, einsum_strategies, fmt_strategy,
-                           missing_ops, op_info, registered_targets, registry)
+                           missing_ops, registered_targets, registry)
 from autopar.rules.base import OpInfo
 from autopar.testing import rule_check
 
@@ -117,14 +117,12 @@ def traced(name: str):
 
 
 def _ops(name: str) -> set:
-    return {n.target for n in traced(name)[0].compute_nodes() if isinstance(n.target, torch._ops.OpOverload)}
+    return rule_check.graph_ops(traced(name)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_op_of_model_has_a_rule(name):
-    cap, _ = traced(name)
-    unknown = sorted({str(n.target) for n in cap.compute_nodes()
-                      if isinstance(n.target, torch._ops.OpOverload) and not axis_strategies(op_info(n))[1]})
+    unknown = rule_check.ops_without_rules(traced(name)[0])
     assert not unknown, f"{name}: no rule for {unknown}"
 
 
@@ -328,6 +326,12 @@ CASES = (
         (aten.scatter.src, lambda: (_t(4, 6), 1, torch.randint(0, 6, (4, 2)), _t(4, 2)), {}),
         (aten.scatter_add.default, lambda: (_t(4, 6), 1, torch.randint(0, 6, (4, 6)), _t(4, 6)), {}),
         (aten.index_select.default, lambda: (_t(4, 6), 1, torch.tensor([0, 2, 5, 1])), {}),
+        # x[rows, cols] with broadcast index tensors (a padded batch's mask gather), adjacent and not, and with a
+        # dim taken whole in between (the advanced dims then go in front)
+        (aten.index.Tensor, lambda: (_t(4, 8), [torch.arange(4).view(4, 1, 1, 1), torch.arange(8).view(1, 1, 1, 8)]),
+         {}),
+        (aten.index.Tensor, lambda: (_t(4, 6, 8), [None, torch.tensor([[0, 5], [2, 3]])]), {}),
+        (aten.index.Tensor, lambda: (_t(4, 6, 8), [torch.tensor([1, 3]), None, torch.tensor([0, 7])]), {}),
         (aten.slice_scatter.default, lambda: (_t(4, 6), _t(4, 2), 1, 2, 4), {}),
         (aten.select_scatter.default, lambda: (_t(4, 6), _t(4), 1, 3), {}),
         (aten.constant_pad_nd.default, lambda: (_t(4, 6), [1, 2]), {}),
@@ -389,8 +393,12 @@ def test_rule_matches_execution_outside_models(case):
 
 
 def test_every_registered_rule_is_exercised():
-    """Each registered op appears in a model graph or an op case above, or is exempt for a stated reason."""
-    covered = set().union(*(_ops(name) for name in MODELS)) | {c[0] for c in CASES}
+    """Each registered op appears in a model graph or an op case here or in test_rules_vision.py, or is exempt for a
+    stated reason."""
+    import test_rules_vision as vision
+
+    covered = set().union(*(_ops(name) for name in MODELS), *(vision.ops(name) for name in vision.MODELS))
+    covered |= {c[0] for c in CASES + vision.CASES}
     covered |= {t.overloadpacket for t in covered}
     exempt = {aten.scalar_tensor, aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided,
               aten.arange}  # no tensor input: all-replicate only

@@ -24,6 +24,8 @@ class Builder:
         self.mode = compat.fake_tensor_mode()
         self.phase: dict[fx.Node, str] = {}
         self.constants: dict[str, torch.Tensor] = {}
+        self.recompute: set[fx.Node] = set()  # nodes of activation-checkpointed regions (see partition)
+        self.in_checkpoint = False  # set while lowering a checkpointed node: what it emits is recomputed too
 
     def constant(self, name: str, value: torch.Tensor) -> fx.Node:
         """A tensor the program holds (a constant the model built while tracing): the same on every rank."""
@@ -58,6 +60,8 @@ class Builder:
             raise CodegenError(f"the local op {_op_name(target)}{_shapes(fargs)} failed on local shapes: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         self.phase[node] = phase
+        if self.in_checkpoint:
+            self.recompute.add(node)
         return node
 
     def output(self, values: Any) -> fx.Node:

@@ -34,7 +34,8 @@ class LocalJoint:
 
     Placeholders: params (in `params` order), buffers, inputs, tangents, and `rng_seed` (an int, the step
     seed of codegen/rng.py) when the program draws dropout masks. Output: (loss replicated, grad per param in
-    `params` order, each in its parameter's layout, or None)."""
+    `params` order, each in its parameter's layout, or None, then the new value of each buffer in `updates`,
+    in the buffer's layout, then the other outputs in their producers' layouts)."""
 
     gm: fx.GraphModule
     phase: dict[fx.Node, str]
@@ -44,6 +45,11 @@ class LocalJoint:
     tangents: list[fx.Node]
     layouts: dict[str, Layout]  # placeholder node name -> layout of its local value
     rng_seed: fx.Node | None = None
+    # Forward nodes of activation-checkpointed regions (and the collectives feeding them): recomputed in
+    # backward instead of saved.
+    recompute: set[fx.Node] = dataclasses.field(default_factory=set)
+    updates: list[str] = dataclasses.field(default_factory=list)  # buffers the step updates, in output order
+    n_outputs: int = 0  # outputs besides the loss (returned in their producers' layouts), last in the output
 
     @property
     def code(self) -> str:
@@ -116,14 +122,17 @@ class _Lowering:
         for node in nodes:
             if node.op == "call_function":
                 if node not in self.env:  # a parameter cast may have been emitted early, for its bucket
+                    self.b.in_checkpoint = node in cap.checkpointed
                     self.env[node] = self._call(node)
+                    self.b.in_checkpoint = False
             elif node.op == "get_attr":
                 self.env[node] = self.b.constant(node.target, getattr(cap.gm, node.target))
             elif node.op == "output":
                 self._output()
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
-        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed)
+        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
+                          self.b.recompute, list(cap.mutations), len(cap.outputs))
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
@@ -360,7 +369,9 @@ class _Lowering:
         for n in self.b.graph.nodes:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
-        self.b.output((loss, *(grads[f] for f in cap.params)))
+        updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
+                   for fqn, v in cap.mutations.items()]
+        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs)))
 
 
 def _bucketed(steps) -> tuple[int, ...] | int | None:

@@ -3,7 +3,10 @@ backward graph (saved tensors, tangents -> grads).
 
 Forward values computed from parameters and buffers alone (a gathered weight, its transpose, a slice of a
 buffer) are recomputed in the backward graph right before their first use instead of being saved: this is
-the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used.
+the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used. So
+are the values of activation-checkpointed regions (LocalJoint.recompute): their inputs are saved and the
+region runs again in backward, collectives included (every rank recomputes the same ones). Dropout masks are
+always saved, so a recomputed region reuses the forward's mask.
 """
 from __future__ import annotations
 
@@ -40,12 +43,17 @@ def split(joint: LocalJoint) -> Split:
     persistent = set(params) | set(buffers) | constants
     tangents = set(joint.tangents)
     out_node = next(n for n in graph.nodes if n.op == "output")
-    loss, *grads = out_node.args[0]
+    outs = list(out_node.args[0])
+    n_tail = len(joint.updates) + joint.n_outputs
+    loss, grads, tail = outs[0], outs[1:len(outs) - n_tail], outs[len(outs) - n_tail:]
 
     recomputable: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "call_function" and phase[n] == "fwd" and not _random(n):
-            if all(a in persistent or a in recomputable for a in n.all_input_nodes):
+            # Values of parameters alone (a gathered weight), and every value of an activation-checkpointed
+            # region, whose inputs are then saved in its place.
+            region = n in joint.recompute and not any(_random(a) for a in n.all_input_nodes)
+            if region or all(a in persistent or a in recomputable for a in n.all_input_nodes):
                 recomputable.add(n)
 
     def is_bwd(n: fx.Node) -> bool:
@@ -78,7 +86,7 @@ def split(joint: LocalJoint) -> Split:
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 
-    fwd = _forward_graph(joint, loss, saved)
+    fwd = _forward_graph(joint, loss, tail, saved)
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
     issue_input_collectives_early(fwd.graph, {n.name for n in joint.inputs})
     for gm in (fwd, bwd):
@@ -113,17 +121,19 @@ def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
     return new
 
 
-def _forward_graph(joint: LocalJoint, loss: fx.Node, saved: list[fx.Node]) -> fx.GraphModule:
+def _forward_graph(joint: LocalJoint, loss: fx.Node, tail: list[fx.Node], saved: list[fx.Node]) -> fx.GraphModule:
+    """(params, buffers, inputs[, seed]) -> (loss, *tail, *saved): `tail` holds the buffers' new values and the
+    other outputs."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     seed = [joint.rng_seed] if joint.rng_seed is not None else []
     for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs, *seed]:
         _copy(g, p, env)
-    live = _ancestors([loss, *saved], stop=lambda n: n.op == "placeholder")
+    live = _ancestors([loss, *tail, *saved], stop=lambda n: n.op == "placeholder")
     for n in joint.gm.graph.nodes:
         if n in live and n.op in ("call_function", "get_attr"):
             _copy(g, n, env)
-    g.output((env[loss], *[env[s] for s in saved]))
+    g.output((env[loss], *[env[u] for u in tail], *[env[s] for s in saved]))
     return fx.GraphModule(joint.gm, g)  # the joint module holds the constants get_attr nodes read
 
 

@@ -36,8 +36,25 @@ _SDPA_BACKWARD = frozenset({
 # Tensors a fused attention kernel really streams through memory; logsumexp, RNG state and offsets are small.
 _SDPA_READS = frozenset({"query", "key", "value", "out", "grad_out", "grad_out_", "attn_mask", "attn_bias"})
 
-# Ops that read only the rows they return from their first argument (an embedding table, say), not all of it.
-_GATHER_OPS = frozenset({aten.embedding, aten.index_select, aten.gather, aten.index})
+# Ops that read only the rows they return from their first argument (an embedding table, say), not all of it;
+# when they return more than the table (an upsampling lookup), the repeats come from cache: the table once.
+_GATHER_OPS = frozenset({aten.embedding, aten.index_select, aten.gather, aten.index, aten._unsafe_index})
+
+# Backward kernels that take an input only for its shape (argument index among the tensor inputs): they read
+# grad_output (and the argmax indices) and write grad_input.
+_SHAPE_ONLY_INPUT = {op: 1 for op in (
+    aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward, aten.adaptive_max_pool2d_backward,
+    aten.adaptive_max_pool3d_backward, aten.avg_pool2d_backward, aten.avg_pool3d_backward,
+    aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward)}
+
+# Norms whose statistics span more than a cache holds (batch norm's per-channel statistics cover the whole batch,
+# group norm's a whole group of channels) read their activations twice: once for the statistics (or, backward,
+# the two gradient sums), once for the elementwise pass. Value: tensor inputs read twice. Layer and RMS norm
+# rows fit on chip and are read once; eval-mode batch norm has no statistics pass.
+_TWO_PASS = {
+    aten._native_batch_norm_legit_functional.default: (0,), aten._native_batch_norm_legit.no_stats: (0,),
+    aten.native_group_norm.default: (0,), aten.native_group_norm_backward.default: (0, 1),
+}
 
 
 def _packet(target: Any) -> Any:
@@ -140,8 +157,20 @@ def op_bytes(info: OpInfo) -> float:
     if packet in _GATHER_OPS and info.inputs:
         table, rest = info.inputs[0], info.inputs[1:]
         out_numel = sum(t.numel for t in info.outputs if t is not None)
-        return float(written + out_numel * table.dtype.itemsize + sum(_nbytes(t) for t in rest))
-    return float(written + sum(_nbytes(t) for t in info.inputs))
+        return float(written + min(out_numel, table.numel) * table.dtype.itemsize + sum(_nbytes(t) for t in rest))
+    read = [_nbytes(t) for t in info.inputs]
+    if packet in _SHAPE_ONLY_INPUT and len(read) > _SHAPE_ONLY_INPUT[packet]:
+        read[_SHAPE_ONLY_INPUT[packet]] = 0
+    for i in _reread(info):
+        read[i] *= 2
+    return float(written + sum(read))
+
+
+def _reread(info: OpInfo) -> tuple[int, ...]:
+    if info.target is aten.native_batch_norm_backward.default:
+        train = _named_args(info).get("train")
+        return (0, 1) if train else ()
+    return _TWO_PASS.get(info.target, ())
 
 
 def _math_dtype(info: OpInfo) -> torch.dtype:

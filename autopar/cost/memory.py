@@ -70,8 +70,11 @@ def _master_bytes_per_param(precision: TrainingPrecision) -> int:
     return 0
 
 
-def param_state_bytes(numel: int, precision: TrainingPrecision) -> int:
-    """Persistent bytes for `numel` parameter elements: stored param + grad + optimizer state (+ fp32 master)."""
+def param_state_bytes(numel: int, precision: TrainingPrecision, trainable: bool = True) -> int:
+    """Persistent bytes for `numel` parameter elements: stored param + grad + optimizer state (+ fp32 master);
+    the stored param alone for a frozen one (requires_grad=False: no gradient, no optimizer state)."""
+    if not trainable:
+        return numel * precision.param_dtype.itemsize
     per_param = (precision.param_dtype.itemsize + precision.grad_dtype.itemsize
                  + precision.optimizer_state_bytes_per_param + _master_bytes_per_param(precision))
     return numel * per_param

@@ -169,6 +169,11 @@ def format_summary(plan: Any) -> str:
              f"{fmt_time(plan.cost_breakdown.get('compute_s'))}, exposed comm "
              f"{fmt_time(plan.cost_breakdown.get('exposed_comm_s'))}); peak memory {_memory_text(plan)}",
              f"  techniques: {techniques_text(plan)}"]
+    if plan.batch_norms:
+        kinds: dict[str, int] = {}
+        for how in plan.batch_norms.values():
+            kinds[how] = kinds.get(how, 0) + 1
+        lines.append("  batch norm statistics: " + ", ".join(f"{n} {how}" for how, n in sorted(kinds.items())))
     patterns: dict[str, list[str]] = {}
     for key, lay in sorted(plan.params.items()):
         patterns.setdefault(axis_layout(plan.mesh.axis_names, lay), []).append(key)

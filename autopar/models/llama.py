@@ -33,9 +33,12 @@ LLAMA_TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size
                          ffn_dim=128, max_seq_len=64, rope_theta=10000.0)
 LLAMA_SMALL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024,
                           ffn_dim=512, max_seq_len=256, rope_theta=10000.0)
+# Wide enough that the planner splits its matmuls over a tensor axis even on a CPU mesh (the demo's model).
+LLAMA_WIDE = LlamaConfig(dim=768, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024,
+                         ffn_dim=3072, max_seq_len=256, rope_theta=10000.0)
 
 CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B,
-           "llama-tiny": LLAMA_TINY, "llama-small": LLAMA_SMALL}
+           "llama-tiny": LLAMA_TINY, "llama-small": LLAMA_SMALL, "llama-wide": LLAMA_WIDE}
 
 
 class RMSNorm(nn.Module):

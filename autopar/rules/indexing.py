@@ -6,9 +6,9 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import Placement
 
-from autopar.layout import R, S
+from autopar.layout import P, R, S
 from autopar.rules.base import AxisStrategy, OpInfo
-from autopar.rules.common import arg, dim_map, norm_dim, partial_through
+from autopar.rules.common import arg, bcast, dim_map, norm_dim, partial_through
 from autopar.rules.registry import register
 
 aten = torch.ops.aten
@@ -135,3 +135,61 @@ def constant_pad_nd(info: OpInfo):
     padded = {n - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
     value = arg(info, 2, "value", 0)
     return dim_map(info, {d: d for d in range(n) if d not in padded}, linear=value == 0)
+
+
+def _advanced(indices: Sequence) -> tuple[list[int], tuple[int, ...], bool] | None:
+    """(indexed dims of self, broadcast shape of the index tensors, whether the indexed dims are adjacent), or
+    None for boolean masks (whose result size depends on the data) and for no index at all."""
+    tensors = [t for t in indices if t is not None]
+    if not tensors or any(t.dtype == torch.bool for t in tensors):
+        return None
+    dims = [i for i, t in enumerate(indices) if t is not None]
+    shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    return dims, shape, dims[-1] - dims[0] + 1 == len(dims)
+
+
+def _result_dims(ndim: int, dims: list[int], bshape: tuple, adjacent: bool) -> tuple[dict[int, int], int]:
+    """Where `self[indices]` puts each non-indexed dim of self, and the first dim of the broadcast index block
+    (at the first indexed dim when the indexed dims are adjacent, in front otherwise)."""
+    free = [d for d in range(ndim) if d not in dims]
+    if adjacent:
+        return {d: d if d < dims[0] else d - len(dims) + len(bshape) for d in free}, dims[0]
+    return {d: len(bshape) + k for k, d in enumerate(free)}, 0
+
+
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
+def index(info: OpInfo):
+    # inputs: self, then the index tensors given (None entries take whole dims)
+    x, indices = info.inputs[0], info.args[1]
+    adv = _advanced(indices)
+    if adv is None:
+        return []
+    dims, bshape, adjacent = adv
+    free, start = _result_dims(x.ndim, dims, bshape, adjacent)
+    idx = info.inputs[1:]
+    res = [AxisStrategy((S(d),) + (R,) * len(idx), (S(j),)) for d, j in free.items()]
+    # Rows of the index block: each rank looks up its own index rows in the whole of self.
+    res += [AxisStrategy((R,) + tuple(bcast(t, j, len(bshape)) for t in idx), (S(start + j),))
+            for j in range(len(bshape))]
+    # A lookup is linear in the table.
+    return res + partial_through(info, (0,))
+
+
+@register(aten.index_put.default, aten._unsafe_index_put.default)
+def index_put(info: OpInfo):
+    # inputs: self, the index tensors, values; output: self with values written (or added) at the indices
+    x, indices, values = info.inputs[0], info.args[1], info.inputs[-1]
+    adv = _advanced(indices)
+    if adv is None:
+        return []
+    dims, bshape, adjacent = adv
+    free, start = _result_dims(x.ndim, dims, bshape, adjacent)
+    idx = info.inputs[1:-1]
+    rank = x.ndim - len(dims) + len(bshape)  # of self[indices], which values broadcast to
+    res = [AxisStrategy((S(d),) + (R,) * len(idx) + (bcast(values, j, rank),), (S(d),)) for d, j in free.items()]
+    if arg(info, 3, "accumulate", False):
+        # Each rank adds its rows of values at its rows of indices; with self split in parts, the parts sum.
+        res += [AxisStrategy((P,) + tuple(bcast(t, j, len(bshape)) for t in idx)
+                             + (bcast(values, start + j, rank),), (P,)) for j in range(len(bshape))]
+    # Writing (or adding) values into self is linear in (self, values) jointly.
+    return res + partial_through(info, (0, len(info.inputs) - 1))

@@ -1,5 +1,5 @@
-"""Neural-network layers with their own kernels: embedding, layer/RMS norm, convolution and dropout, forward and
-backward."""
+"""Neural-network layers with their own kernels: embedding, layer/RMS norm and dropout, forward and backward
+(convolution: conv.py; batch/group/weight norm: norms.py; pooling and upsampling: pooling.py)."""
 from __future__ import annotations
 
 import torch
@@ -67,33 +67,6 @@ def fused_rms_norm_backward(info: OpInfo):
     params = (R,) * (len(info.inputs) - 3)
     res = [AxisStrategy((S(d),) * 3 + params, (S(d), P)) for d in range(lead)]
     # Both gradients are linear in grad_output.
-    return res + partial_through(info, (0,))
-
-
-def _plain_conv(info: OpInfo, transposed_pos: int, groups_pos: int) -> bool:
-    return not info.args[transposed_pos] and info.args[groups_pos] == 1
-
-
-@register(aten.convolution.default)
-def convolution(info: OpInfo):
-    # inputs: input, weight, [bias]
-    has_bias = len(info.inputs) == 3
-    b = lambda p: (p,) if has_bias else ()  # noqa: E731
-    res = [AxisStrategy((S(0), R) + b(R), (S(0),))]
-    if _plain_conv(info, 6, 8):
-        res.append(AxisStrategy((R, S(0)) + b(S(0)), (S(1),)))  # output channels
-        res.append(AxisStrategy((S(1), S(1)) + b(P), (P,)))  # input channels are contracted
-    return res
-
-
-@register(aten.convolution_backward.default)
-def convolution_backward(info: OpInfo):
-    # inputs: grad_output, input, weight; outputs: grad_input, grad_weight, grad_bias
-    res = [AxisStrategy((S(0), S(0), R), (S(0), P, P))]
-    if _plain_conv(info, 7, 9):
-        res.append(AxisStrategy((S(1), R, S(0)), (P, S(0), S(0))))
-        res.append(AxisStrategy((R, S(1), S(1)), (S(1), S(1), R)))
-    # All gradients are linear in grad_output.
     return res + partial_through(info, (0,))
 
 

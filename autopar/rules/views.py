@@ -71,6 +71,24 @@ def expand(info: OpInfo):
     return dim_map(info, kept, new_dims=new)
 
 
+@register(aten.repeat.default)
+def repeat(info: OpInfo):
+    # A dim repeated more than once interleaves copies of the whole input: it shards only where the input has
+    # size 1 there (or lacks the dim), each rank making its share of the copies (repeats become local).
+    src, reps = info.inputs[0].shape, info.args[1]
+    off = len(reps) - len(src)
+    kept = {i: i + off for i in range(len(src)) if reps[i + off] == 1}
+    new = [j for j in range(len(reps)) if j < off or src[j - off] == 1]
+    return dim_map(info, kept, new_dims=new)
+
+
+def local_repeats(info: OpInfo, local_out_shape) -> list[int]:
+    """repeat's repeats for a rank holding `local_out_shape` of the output (see `repeat`)."""
+    src, reps = info.inputs[0].shape, info.args[1]
+    off = len(reps) - len(src)
+    return [int(local_out_shape[j]) if j < off or src[j - off] == 1 else r for j, r in enumerate(reps)]
+
+
 @register(aten.unsqueeze.default)
 def unsqueeze(info: OpInfo):
     n = info.inputs[0].ndim
@@ -121,4 +139,4 @@ def unbind(info: OpInfo):
     return dim_map(info, {i: i if i < dim else i - 1 for i in range(n) if i != dim})
 
 
-__all__ = ["dim_groups", "reshape_map"]
+__all__ = ["dim_groups", "reshape_map", "local_repeats"]
