@@ -494,6 +494,7 @@ def test_compiled_program_matches_single_device(mesh, kind):
     shape, names = MESHES[mesh]
     pool = get_pool(math.prod(shape))
     plan = plan_json("seq", shape, names, kind)
+    assert_shards_as_named("seq", shape, names, kind)
     results = pool.run(train_compiled, "seq", shape, names, plan)
     assert all(r["compiled_graphs"] == 2 for r in results), [r["compiled_graphs"] for r in results]
     if kind == "dp":
@@ -602,6 +603,7 @@ def api_checks(plan: str) -> dict:
 def test_api_dtensor_state_and_inputs():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
+    assert_shards_as_named("llama", shape, names, "fsdp_tp")
     results = pool.run(api_checks, plan_json("llama", shape, names, "fsdp_tp"))
     r = results[0]
     ref = reference("llama")["losses"][0]
@@ -648,6 +650,7 @@ def evaluate_parallel(name, shape, names, plan: str) -> dict:
 def test_eval_runs_forward_only_program_like_one_device(mesh, kind):
     shape, names = MESHES[mesh]
     pool = get_pool(4)
+    assert_shards_as_named("dropout", shape, names, kind)
     results = pool.run(evaluate_parallel, "dropout", shape, names, plan_json("dropout", shape, names, kind))
     model, (x, y), loss_fn = build("dropout")
     model.eval()
@@ -687,6 +690,7 @@ def train_with_eval(name, shape, names, plan: str) -> dict:
 def test_training_continues_after_eval():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
+    assert_shards_as_named("mlp", shape, names, "fsdp_tp")
     results = pool.run(train_with_eval, "mlp", shape, names, plan_json("mlp", shape, names, "fsdp_tp"))
     check_against_reference("mlp", results)
     second = reference("mlp")["losses"][1]  # the loss of the weights after one step (no dropout in this model)
@@ -706,6 +710,7 @@ def meta_init(shape, names, plan: str) -> dict:
 def test_meta_model_initializes_local_shards_like_init_weights():
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(4)
+    assert_shards_as_named("mlp", shape, names, "fsdp_tp")
     results = pool.run(meta_init, shape, names, plan_json("mlp", shape, names, "fsdp_tp"))
     ref = MLP()
     with torch.no_grad():

@@ -225,7 +225,10 @@ CASES = [("mlp", "dp4", "fsdp"), ("mlp", "dp2xtp2", "fsdp_tp"), ("llama", "dp4",
 def test_bf16_trains_like_one_device_under_autocast(name, mesh, kind):
     pool = get_pool(math.prod(MESHES[mesh][0]))  # boots in the background while this process plans
     evaluate = name == "mlp"  # a small eval capture: the MLP has no dropout, so it computes the first loss
-    results = pool.run(train_parallel_bf16, name, mesh, plan_json(name, mesh, kind), evaluate)
+    plan = plan_json(name, mesh, kind)
+    placements = Plan.from_json(plan).param_placements()  # FSDP: every weight sharded over dp
+    assert all(isinstance(lay[0], Shard) for lay in placements.values()), placements
+    results = pool.run(train_parallel_bf16, name, mesh, plan, evaluate)
     ref = reference(name)
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0,
