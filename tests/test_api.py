@@ -31,8 +31,8 @@ def train_deferred(name, shape, names, plan: str | None) -> dict:
     return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"]}
 
 
-@pytest.mark.parametrize("plan_kind", ["fsdp_tp", pytest.param(None, marks=pytest.mark.slow)],
-                         ids=["given-sharded-plan", "planned-on-first-call"])
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_kind", ["fsdp_tp", None], ids=["given-sharded-plan", "planned-on-first-call"])
 def test_parallelize_without_example_inputs_plans_on_the_first_call(plan_kind):
     shape, names = MESHES["dp2xtp2"]
     pool = get_pool(math.prod(shape))

@@ -152,8 +152,8 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
     assert len(grads) == 2, prog.code()
 
 
-@pytest.mark.parametrize("layers,dp,batch,coords", [pytest.param(32, 8, 8, (3, 5), marks=pytest.mark.slow),
-                                                    (4, 64, 64, (41, 6))],
+@pytest.mark.slow
+@pytest.mark.parametrize("layers,dp,batch,coords", [(32, 8, 8, (3, 5)), (4, 64, 64, (41, 6))],
                          ids=["8b-64-ranks", "8b-widths-512-ranks"])
 def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
     """Llama-3-8B (all 32 layers on 64 ranks; 4 layers of the same widths on 512 ranks), planned on the full
@@ -197,8 +197,8 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
         assert tuple(g.meta["val"].shape) == want, fqn
 
 
-@pytest.mark.parametrize("shape,axes,coords", [((4,), ("dp",), (1,)),
-                                               pytest.param((2, 2), ("dp", "tp"), (1, 0), marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,axes,coords", [((4,), ("dp",), (1,)), ((2, 2), ("dp", "tp"), (1, 0))],
                          ids=["dp4", "dp2xtp2"])
 def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
     """autopar.plan() captures 2 of llama-small's 4 layers; the plan (and its JSON copy) covers every node of
