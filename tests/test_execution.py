@@ -417,7 +417,7 @@ CASES = [
     ("mlp", "dp2xtp2", "random:1"), ("llama", "dp2xtp2", "random:1"),
 ]
 # A few cases for `make test-fast`; the rest run in `make test`.
-FAST = {("mlp", "dp2xtp2", "fsdp_tp"), ("llama", "dp2xtp2", "megatron")}
+FAST = {("llama", "dp2xtp2", "megatron")}  # the plan the negative control breaks
 
 
 def _case(c):

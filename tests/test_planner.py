@@ -122,6 +122,7 @@ def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv():
     assert {"tp", "fsdp"} <= p.techniques
 
 
+@pytest.mark.slow
 def test_template_capture_gives_the_full_graph_plan():
     cfg = dataclasses.replace(LLAMA_SMALL, n_layers=4, dim=512, ffn_dim=2048, n_heads=8, n_kv_heads=4)
     with torch.device("meta"):
@@ -341,6 +342,7 @@ def test_corrupt_or_foreign_plan_files_are_explained():
         autopar.Plan.from_json(json.dumps(bad_layout))
 
 
+@pytest.mark.slow
 def test_cp_sat_backend_reaches_the_same_optimum_as_highs():
     objectives = []
     for backend in ("highs", "cp-sat"):
