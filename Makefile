@@ -19,7 +19,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m autopar.demo
 
-# Everything (what .ci/run calls; about 15 minutes on 2 cores). No -x: one run reports every failure.
+# Everything (what .ci/run calls; at most 25 minutes on 2 cores). No -x: one run reports every failure, and a
+# worker pool that dies in one test does not hide what the remaining tests would have found.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
