@@ -818,6 +818,24 @@ def _boom():
     raise RuntimeError("boom")
 
 
+def _abort_on_rank_1():
+    import os
+
+    if torch.distributed.get_rank() == 1:
+        os.abort()  # what a crash in native code looks like: no Python exception, the process is gone
+    return "alive"
+
+
+@pytest.mark.slow
+def test_worker_that_dies_is_named_with_its_signal():
+    from autopar.testing.dist import WorkerPool
+
+    pool = WorkerPool(2)  # not the shared pool: this one is closed by the failure
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 .*died \(signal SIGABRT"):
+        pool.run(_abort_on_rank_1)
+    assert not pool.alive
+
+
 # --- properties: random models under random plans, mostly on the 2x2 mesh ----------------------------------------
 # Hypothesis draws the examples (derandomized by the "ci" profile in conftest.py; `--hypothesis-profile=explore`
 # draws new ones each run). No shrinking: each example captures, plans and trains on the workers.
