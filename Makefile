@@ -19,8 +19,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m autopar.demo
 
+# Everything (what .ci/run calls; at most 25 minutes on 2 cores). No -x: one run reports every failure, and a
+# worker pool that dies in one test does not hide what the remaining tests would have found.
 test: $(STAMP)
-	$(PY) -m pytest -q -x -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# While working (at most 3 minutes on 2 cores): rules, planner, codegen, inspect, cli and a few gloo cases;
+# tests marked slow run in `make test` only.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py

@@ -31,6 +31,7 @@ def train_deferred(name, shape, names, plan: str | None) -> dict:
     return res if torch.distributed.get_rank() == 0 else {"losses": res["losses"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_kind", ["fsdp_tp", None], ids=["given-sharded-plan", "planned-on-first-call"])
 def test_parallelize_without_example_inputs_plans_on_the_first_call(plan_kind):
     shape, names = MESHES["dp2xtp2"]
@@ -66,6 +67,7 @@ def train_with_outputs(plan: str) -> dict:
             "logits": logits.full_tensor(), "grads": grads, "eval_logits": eval_logits.full_tensor()}
 
 
+@pytest.mark.slow
 def test_a_loss_function_may_return_other_outputs_as_dtensors():
     """loss_fn returning (loss, logits): the call returns the logits too, as a DTensor in its planned layout
     (no gather), not differentiated; the gradients are the loss's alone."""

@@ -59,6 +59,7 @@ def test_report(plan_files, tmp_path, capsys):
     assert html.read_text().count("data:image/png;base64,") == len(os.listdir(png)) >= 3
 
 
+@pytest.mark.slow
 def test_compare_with_a_plan_file_alone(plan_files, capsys):
     """The plan file records its model, mesh and config: nothing needs retyping."""
     p = Plan.load(plan_files[0])
@@ -150,6 +151,7 @@ def test_help(command, capsys):
     assert "usage: autopar " + command in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_errors_without_traceback():
     exe = os.path.join(os.path.dirname(sys.executable), "autopar")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "autopar.cli"]
@@ -158,6 +160,7 @@ def test_console_script_errors_without_traceback():
     assert r.stderr.startswith("autopar: error: unknown model 'gpt5'") and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_plan_precision_flag(tmp_path):
     path = str(tmp_path / "bf16.json")
     assert main(["plan", *TINY, "--precision", "bf16", "-o", path, "--summary"]) == 0

@@ -152,6 +152,7 @@ def test_fsdp_regathers_weights_in_backward_instead_of_saving_them():
     assert len(grads) == 2, prog.code()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers,dp,batch,coords", [(32, 8, 8, (3, 5)), (4, 64, 64, (41, 6))],
                          ids=["8b-64-ranks", "8b-widths-512-ranks"])
 def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
@@ -196,20 +197,27 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
         assert tuple(g.meta["val"].shape) == want, fqn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,axes,coords", [((4,), ("dp",), (1,)), ((2, 2), ("dp", "tp"), (1, 0))],
                          ids=["dp4", "dp2xtp2"])
 def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
     """autopar.plan() captures 2 of llama-small's 4 layers; the plan (and its JSON copy) covers every node of
-    the full-depth capture, and each layer's parameters get the layouts of the template's corresponding layer."""
+    the full-depth capture, and each layer's parameters get the layouts of the template's corresponding layer.
+    The plan is pinned (FSDP on dp4, FSDP+TP on 2x2; the solver keeps this model replicated on CPU), so the
+    layouts compared are sharded ones."""
     from autopar.compiler import capture_step, fingerprint
     from autopar.plan_check import check_plan
+    from test_execution import _pins
 
     with torch.device("meta"):
         model = Llama(LLAMA_SMALL)
     tokens = torch.zeros(8, 64, dtype=torch.long)
     mesh = autopar.fake_mesh(shape, axes, device_type="cpu")
-    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET))
+    pins = _pins("llama", axes, "fsdp_tp" if "tp" in axes else "fsdp")
+    comp = compile_plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss, config=Config(solver=QUIET, pins=pins))
     plan, template = comp.plan, comp.captured
+    deepest = {f: lay for f, lay in plan.param_placements().items() if f.startswith("layers.3.")}
+    assert deepest and all(isinstance(lay[0], Shard) for lay in deepest.values()), deepest  # past the template
     k = template.blocks[0].captured
     assert k < LLAMA_SMALL.n_layers
     full = capture_step(model, mesh, (tokens,), None, cross_entropy_loss, Config(solver=QUIET), template_layers=None)

@@ -219,6 +219,7 @@ def test_trains_like_one_device(case):
         assert got["recomputed"] > got["saved"], (got["recomputed"], got["saved"])
 
 
+@pytest.mark.slow
 def test_checkpointed_layers_are_recomputed_not_saved():
     """gradient_checkpointing_enable(): the program saves each layer's input and recomputes the rest in backward;
     the planner counts the smaller activation memory."""
@@ -254,6 +255,7 @@ def test_a_mutated_input_is_refused():
                      config=Config(solver=QUIET))
 
 
+@pytest.mark.slow
 def test_frozen_weights_hold_no_gradient_or_optimizer_state_in_the_memory_model():
     plans = {}
     for freeze in (False, True):

@@ -149,6 +149,7 @@ def test_recipe_pins():
         megatron({"fc.weight": (8, 8)}, mesh)
 
 
+@pytest.mark.slow
 def test_python_api_mirrors_the_cli(tmp_path):
     """plan.compare, plan.report and autopar.program work on a plan as on its JSON copy; a plan of a live model
     asks for the model."""

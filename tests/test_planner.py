@@ -122,6 +122,7 @@ def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv():
     assert {"tp", "fsdp"} <= p.techniques
 
 
+@pytest.mark.slow
 def test_template_capture_gives_the_full_graph_plan():
     cfg = dataclasses.replace(LLAMA_SMALL, n_layers=4, dim=512, ffn_dim=2048, n_heads=8, n_kv_heads=4)
     with torch.device("meta"):
@@ -214,6 +215,7 @@ def _tiny_plan_json() -> str:
     return p.to_json(timings=False)
 
 
+@pytest.mark.slow
 def test_plans_are_byte_identical_across_runs_and_processes():
     a = _tiny_plan_json()
     assert a == _tiny_plan_json()
@@ -343,6 +345,7 @@ def test_corrupt_or_foreign_plan_files_are_explained():
         autopar.Plan.from_json(json.dumps(bad_layout))
 
 
+@pytest.mark.slow
 def test_cp_sat_backend_reaches_the_same_optimum_as_highs():
     objectives = []
     for backend in ("highs", "cp-sat"):
@@ -356,6 +359,7 @@ def test_cp_sat_backend_reaches_the_same_optimum_as_highs():
     assert objectives[1] == pytest.approx(objectives[0], rel=1e-3, abs=1e-8)
 
 
+@pytest.mark.slow
 def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     """On 2x2 CPU ranks the small Llama trains fastest data-parallel, with the gradient all-reduce behind the
     backward; pricing that all-reduce as exposed made the solver prefer tensor parallelism."""

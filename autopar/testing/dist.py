@@ -76,6 +76,7 @@ class WorkerPool:
         self.world_size = world_size
         self._start_timeout = start_timeout
         self._ready = False
+        self._dead = False  # a worker process died: the pool closes after the call
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._conns = []
@@ -124,7 +125,7 @@ class WorkerPool:
         while pending:
             for rank in list(pending):
                 if self._conns[rank].poll(0.01):
-                    status, value = self._conns[rank].recv()
+                    status, value = self._receive(rank)
                     pending.discard(rank)
                     if status == "ok":
                         results[rank] = value
@@ -136,7 +137,7 @@ class WorkerPool:
                 while pending and time.monotonic() < grace:
                     for rank in list(pending):
                         if self._conns[rank].poll(0.01):
-                            status, value = self._conns[rank].recv()
+                            status, value = self._receive(rank)
                             pending.discard(rank)
                             if status != "ok":
                                 errors[rank] = value
@@ -147,11 +148,26 @@ class WorkerPool:
                 self.close()
                 raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on ranks {sorted(pending)} within "
                                    f"{timeout:.0f} s; the pool was shut down")
+        if self._dead:
+            self.close()
         if errors:
             rank = min(errors)
             raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {rank} (ranks failing: "
                               f"{sorted(errors)}):\n{errors[rank]}")
         return results
+
+    def _receive(self, rank: int) -> tuple[str, Any]:
+        """The message of `rank`; ("error", how it ended) when its process died instead of answering (a crash in
+        native code: a signal such as SIGABRT or SIGSEGV, with no Python traceback)."""
+        try:
+            return self._conns[rank].recv()
+        except (EOFError, OSError):
+            proc = self._procs[rank]
+            proc.join(timeout=5)
+            code = proc.exitcode
+            how = f"exit code {code}" if code is None or code >= 0 else f"signal {_signal_name(-code)}"
+            self._dead = True
+            return "error", f"worker process died ({how}) without a Python exception"
 
     def close(self) -> None:
         for c in self._conns:
@@ -168,6 +184,15 @@ class WorkerPool:
         for k, v in list(_POOLS.items()):
             if v is self:
                 del _POOLS[k]
+
+
+def _signal_name(n: int) -> str:
+    import signal
+
+    try:
+        return f"{signal.Signals(n).name} ({n})"
+    except ValueError:
+        return str(n)
 
 
 def get_pool(world_size: int, **kwargs: Any) -> WorkerPool:
