@@ -44,7 +44,7 @@ def annotate_modules(root: torch.nn.Module, key: str = "autopar_module") -> Iter
 
     def post(mod, args, out):
         if stack:
-            stack.pop().__exit__(None, None, None)
+            _leave(stack.pop())
 
     for name, mod in root.named_modules():
         handles.append(mod.register_forward_pre_hook(pre(name)))
@@ -56,7 +56,16 @@ def annotate_modules(root: torch.nn.Module, key: str = "autopar_module") -> Iter
         for h in handles:
             h.remove()
         while stack:
-            stack.pop().__exit__(None, None, None)
+            _leave(stack.pop())
+
+
+def _leave(cm) -> None:
+    """Exit an annotation. When tracing failed, a tracer's own meta context may already have reset the
+    annotations on its way out; exiting must not then replace the user's error with a KeyError."""
+    try:
+        cm.__exit__(None, None, None)
+    except KeyError:
+        pass
 
 
 def node_module(node: torch.fx.Node, key: str = "autopar_module") -> str | None:
