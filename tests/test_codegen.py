@@ -174,7 +174,8 @@ def test_llama3_8b_at_scale_local_shapes_and_groups(layers, dp, batch, coords):
         want = local_shape(tuple(node.meta["val"].shape), plan.param_layout(fqn), (dp, 8))
         assert shapes[name] == want, (fqn, shapes[name], want)
     assert shapes["input_0"] == local_shape((batch, 2048), plan.inputs[0], (dp, 8))
-    sizes = {"autopar:dp": dp, "autopar:tp": 8}
+    # One axis each, and the flattened dp x tp group that the gradient buckets of replicated weights reduce over.
+    sizes = {"autopar:dp": dp, "autopar:tp": 8, "autopar:dp+tp": dp * 8}
     n = 0
     for gm in (prog.forward, prog.backward):
         for node in gm.graph.nodes:

@@ -22,7 +22,7 @@ from autopar.layout import divides
 from autopar.models.llama import LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.redistribute import plan_steps
 from autopar.rules.base import op_info
-from autopar.solver.ilp import SolverTimeout
+from autopar.errors import SolverTimeout
 
 QUIET = autopar.SolverConfig(show_progress=False)
 # Each example solves twice (unconstrained, then under the limit); no shrinking.

@@ -25,7 +25,8 @@ import time
 from typing import Callable
 
 from autopar.errors import SolverTimeout
-from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, ProgramInfeasible, solve
+from autopar.solver.dispatch import solve
+from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, ProgramInfeasible
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
 _TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one

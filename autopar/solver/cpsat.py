@@ -9,7 +9,8 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from autopar.solver.ilp import (BYTES_PER_CPSAT_MEMORY_UNIT, OPTIMALITY_TOLERANCE, SECONDS_PER_CPSAT_TIME_UNIT,
-                                IlpProblem, IlpResult, ProgramInfeasible, SolverTimeout)
+                                IlpProblem, IlpResult, ProgramInfeasible)
+from autopar.errors import SolverTimeout
 from autopar.solver.program import build_program, expanded_memory_rows
 
 

@@ -16,7 +16,8 @@ from ortools.math_opt.core.python import solver as core
 from ortools.math_opt.python import init_arguments
 
 from autopar.solver.ilp import (BYTES_PER_HIGHS_MEMORY_UNIT, OPTIMALITY_TOLERANCE, SECONDS_PER_HIGHS_TIME_UNIT,
-                                IlpProblem, IlpResult, ProgramInfeasible, SolverTimeout)
+                                IlpProblem, IlpResult, ProgramInfeasible)
+from autopar.errors import SolverTimeout
 from autopar.solver.program import Program, build_program
 
 _T = result_pb2.TerminationReasonProto

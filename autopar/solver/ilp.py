@@ -27,10 +27,9 @@ deadline.
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
-from autopar.errors import AutoparError, SolverTimeout
+from autopar.errors import AutoparError
 
 # Units. HiGHS works in floating point: its objective is in milliseconds and its memory rows in MiB, so both
 # stay near 1 for realistic models. CP-SAT needs integers: nanoseconds and bytes.
@@ -166,30 +165,3 @@ class IlpResult:
         if self.objective_s <= 0:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
-
-
-def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = None, objective: str = "time",
-          hint: dict[str, int] | None = None, relative_gap: float = 0.0,
-          on_progress: Callable[[str], None] | None = None) -> IlpResult:
-    """Solve `p` before `deadline` (time.monotonic() seconds; None: no limit).
-
-    objective "time" minimizes seconds under the memory limit; "peak" minimizes the largest memory row with no
-    limit. `hint` is a full choice to start from; `relative_gap` lets the solver stop once its incumbent is
-    proven within that fraction of the optimum. Raises ProgramInfeasible when nothing fits and SolverTimeout
-    when the deadline passes before any solution is found; at the deadline with a solution, returns it with
-    optimal=False."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown solver backend {backend!r}; use SolverConfig(backend=...) with one of: "
-                         + ", ".join(BACKENDS))
-    if objective not in ("time", "peak"):
-        raise ValueError(f"unknown objective {objective!r}: 'time' or 'peak'")
-    remaining = None if deadline is None else deadline - time.monotonic()
-    if remaining is not None and remaining <= 0:
-        raise SolverTimeout("the time limit was reached before the integer program could start")
-    if backend == "highs":
-        from autopar.solver.highs import solve_highs
-
-        return solve_highs(p, remaining, objective, hint, relative_gap, on_progress)
-    from autopar.solver.cpsat import solve_cpsat
-
-    return solve_cpsat(p, remaining, objective, hint, relative_gap, on_progress)
