@@ -15,6 +15,7 @@ from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
 from autopar.rules.base import flat_tensor_args, op_info
+from autopar.strategy import FP8_TENSORWISE_AG
 
 
 @dataclasses.dataclass
@@ -98,8 +99,10 @@ def simulate(ctx: PassContext) -> Simulation:
             dst = strat.ins[i]
             u = producer(a)[0]
             regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
-            arrive = comm(info.inputs[i].shape, compute_dtype(info.inputs[i].dtype, ctx), src, dst, ready[a],
-                          scale * regather, ctx.captured.names[node])
+            dtype = compute_dtype(info.inputs[i].dtype, ctx)
+            if strat.variant == FP8_TENSORWISE_AG and getattr(ctx.fp8_sites.get(key), "weight", None) == i:
+                dtype = torch.float8_e4m3fn  # the weight is gathered as its FP8 cast (passes/fp8_variants.py)
+            arrive = comm(info.inputs[i].shape, dtype, src, dst, ready[a], scale * regather, ctx.captured.names[node])
             t_in = max(t_in, arrive)
         dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
         start = max(compute_free, t_in)
