@@ -32,3 +32,7 @@ class InfeasibleMemoryError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A plan does not belong to this model, mesh or inputs."""
+
+
+class Fp8NonFiniteError(AutoparError, FloatingPointError):
+    """A training step whose program runs FP8 matmuls produced an inf or nan gradient (Fp8Config.on_nonfinite)."""

@@ -17,6 +17,10 @@ from autopar.cost.hardware import HardwareSpec, peak_flops_for
 KERNEL_FLOOR_S = {"h100": 3e-6, "h200": 3e-6, "a100": 3e-6, "cpu": 2e-5}
 _DEFAULT_FLOOR = 3e-6
 SCALE_BYTES = 4  # fp32 scales
+# The rowwise-scaled GEMM (a CUTLASS kernel in torch._scaled_mm) runs below the tensorwise one (cuBLAS): "most
+# shapes are within 90-100% of tensor-wise efficiency, but there's a long tail going down to 50%"
+# (pytorch/pytorch#147971, H100, fast accumulation). The lower end of the common range is used.
+ROWWISE_GEMM_EFFICIENCY = 0.9
 
 
 def has_fp8(hw: HardwareSpec) -> bool:
@@ -41,14 +45,16 @@ def cast_time(rows: int, cols: int, src_itemsize: int, scaling: str, transpose: 
     return kernel_time(reads * n * src_itemsize + n + scales, hw)
 
 
-def fp8_gemm_time(m: int, k: int, n: int, out_itemsize: int, hw: HardwareSpec, plain_dtype) -> float:
-    """The (m, k) x (k, n) GEMM on FP8 operands: at the FP8 peak, or, on a device without FP8 (the CPU, where
-    torch._scaled_mm still runs), at the rate of the matmul's own dtype."""
+def fp8_gemm_time(m: int, k: int, n: int, out_itemsize: int, hw: HardwareSpec, plain_dtype,
+                  rowwise: bool = False) -> float:
+    """The (m, k) x (k, n) GEMM on FP8 operands: at the FP8 peak (rowwise scaling: ROWWISE_GEMM_EFFICIENCY of
+    it), or, on a device without FP8 (the CPU, where torch._scaled_mm still runs), at the rate of the matmul's
+    own dtype."""
     flops = 2.0 * m * k * n
     if has_fp8(hw):
         import torch
 
-        peak = peak_flops_for(hw, torch.float8_e4m3fn)
+        peak = peak_flops_for(hw, torch.float8_e4m3fn) * (ROWWISE_GEMM_EFFICIENCY if rowwise else 1.0)
     else:
         peak = peak_flops_for(hw, plain_dtype)
     nbytes = m * k + k * n + m * n * out_itemsize
@@ -60,4 +66,4 @@ def fp8_copy_time(numel: int, hw: HardwareSpec) -> float:
     return kernel_time(2 * numel, hw) if numel else 0.0
 
 
-__all__ = ["KERNEL_FLOOR_S", "has_fp8", "kernel_time", "cast_time", "fp8_gemm_time", "fp8_copy_time"]
+__all__ = ["KERNEL_FLOOR_S", "ROWWISE_GEMM_EFFICIENCY", "has_fp8", "kernel_time", "cast_time", "fp8_gemm_time", "fp8_copy_time"]

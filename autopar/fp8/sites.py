@@ -45,10 +45,10 @@ class GemmSite:
 def find_sites(ctx, exclude: tuple[str, ...]) -> dict[str, GemmSite]:
     """Plan key -> GemmSite for every FP8-capable matmul key of the captured graph."""
     cap = ctx.captured
-    grads = _gradient_nodes(cap)
+    grads = gradient_nodes(cap)
     linear_modules = {cap.module_of.get(n) for n in cap.gm.graph.nodes
                       if n.op == "call_function" and n.target in _MATMULS and cap.phase.get(n) == "fwd"
-                      and _weight_of(cap, ctx, n) is not None}
+                      and _weight_of(cap, n) is not None}
     linear_modules.discard(None)
     sites = {}
     for key, nodes in ctx.members.items():
@@ -58,7 +58,7 @@ def find_sites(ctx, exclude: tuple[str, ...]) -> dict[str, GemmSite]:
         module = cap.module_of.get(node)
         if module not in linear_modules or _excluded(module, cap.block_relative(module), exclude):
             continue
-        site = _site(cap, ctx, node, grads, cap.block_relative(module))
+        site = site_of(cap, node, grads)
         if site is not None:
             sites[key] = site
     return sites
@@ -79,7 +79,9 @@ def _operands(node: fx.Node) -> tuple[int, int, fx.Node, fx.Node] | None:
     return 1, 2, node.args[1], node.args[2]
 
 
-def _site(cap, ctx, node: fx.Node, grads: set[fx.Node], module: str) -> GemmSite | None:
+def site_of(cap, node: fx.Node, grads: set[fx.Node]) -> GemmSite | None:
+    """The GemmSite of a matmul node (`grads`: gradient_nodes(cap)), None if it has no FP8 form; the module and
+    exclusion checks are find_sites'."""
     ops = _operands(node)
     if ops is None:
         return None
@@ -90,7 +92,8 @@ def _site(cap, ctx, node: fx.Node, grads: set[fx.Node], module: str) -> GemmSite
     a_grad, b_grad = a in grads, b in grads
     if a_grad and b_grad:
         return None
-    weight = _weight_of(cap, ctx, node)
+    weight = _weight_of(cap, node)
+    module = cap.block_relative(cap.module_of.get(node) or "")
     slot = fqn = None
     if weight is not None and not (a_grad if weight[0] == 0 else b_grad):
         slot, fqn = (ia if weight[0] == 0 else ib), weight[1]
@@ -99,7 +102,7 @@ def _site(cap, ctx, node: fx.Node, grads: set[fx.Node], module: str) -> GemmSite
                     weight=slot, weight_fqn=fqn, out_dtype=out.dtype, module=module, phase=cap.phase[node])
 
 
-def _weight_of(cap, ctx, node: fx.Node) -> tuple[int, str] | None:
+def _weight_of(cap, node: fx.Node) -> tuple[int, str] | None:
     """(0 for A or 1 for B, parameter FQN) of an operand that is a 2-D parameter, seen through transposes and
     dtype casts (as mixed precision captures a weight); None when neither operand is."""
     ops = _operands(node) if node.target in _MATMULS else None
@@ -115,7 +118,7 @@ def _weight_of(cap, ctx, node: fx.Node) -> tuple[int, str] | None:
     return None
 
 
-def _gradient_nodes(cap) -> set[fx.Node]:
+def gradient_nodes(cap) -> set[fx.Node]:
     """Every value computed from the loss tangent (the backward's gradients)."""
     found = set(cap.tangents)
     for n in cap.gm.graph.nodes:
@@ -124,4 +127,4 @@ def _gradient_nodes(cap) -> set[fx.Node]:
     return found
 
 
-__all__ = ["GemmSite", "find_sites"]
+__all__ = ["GemmSite", "find_sites", "site_of", "gradient_nodes"]

@@ -51,7 +51,7 @@ def variant_time(site: GemmSite, variant: str, strategy: NodeStrategy, shapes: l
     weight's cast of the all-gather variant is priced on the weight's edge, see weight_edge_time)."""
     m, k, n = local_dims(site, strategy, shapes, sizes)
     scaling = SCALINGS[variant]
-    t = fp8_gemm_time(m, k, n, site.out_dtype.itemsize, hw, dtypes[site.a])
+    t = fp8_gemm_time(m, k, n, site.out_dtype.itemsize, hw, dtypes[site.a], rowwise=scaling == "rowwise")
     if variant != FP8_TENSORWISE_AG or site.weight != site.a:
         t += cast_time(m, k, dtypes[site.a].itemsize, scaling, site.a_t, hw)
     if variant != FP8_TENSORWISE_AG or site.weight != site.b:

@@ -33,6 +33,7 @@ class _Runner:
         self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
+        self.nonfinite = NonFiniteCheck.of(program)
         # Buffers the step updates (batch norm statistics): their positions among the forward's inputs.
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
@@ -51,6 +52,44 @@ class _Runner:
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
             return self._graphs[1](*args)
+
+
+class NonFiniteCheck:
+    """For a program that runs FP8 matmuls: after each backward, whether any rank holds an inf or nan gradient
+    (one max all-reduce of a flag over the world), then Fp8Config.on_nonfinite: "raise" (Fp8NonFiniteError) or
+    "zero" (every gradient zeroed, `steps` counts it, `last` says so; the optimizer step stays the caller's)."""
+
+    def __init__(self, policy: str):
+        self.policy, self.steps, self.last = policy, 0, False
+
+    @classmethod
+    def of(cls, program: Program) -> "NonFiniteCheck | None":
+        from autopar.config import Fp8Config
+
+        if not any("_scaled_mm" in str(n.target) for g in (program.forward, program.backward) for n in g.graph.nodes):
+            return None
+        cfg = (program.plan.config or {}).get("fp8") if program.plan is not None else None
+        return cls(Fp8Config.from_json(cfg).on_nonfinite if isinstance(cfg, dict) else "raise")
+
+    def check(self, grads: Sequence) -> list:
+        local = [g for g in grads if g is not None]
+        if not local:
+            return list(grads)
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in local]).any().to(torch.int32).reshape(1)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        self.last = bool(bad.item())
+        if not self.last:
+            return list(grads)
+        if self.policy == "raise":
+            from autopar.errors import Fp8NonFiniteError
+
+            raise Fp8NonFiniteError("a gradient of this FP8 step is inf or nan (an inf or nan reached an FP8 cast, or "
+                                    "a value overflowed); lower the learning rate, keep the module in bf16 with "
+                                    "Fp8Config(exclude=...), or pass Fp8Config(on_nonfinite='zero') to zero such "
+                                    "steps' gradients and skip them (pm.fp8_nonfinite)")
+        self.steps += 1
+        return [None if g is None else torch.zeros_like(g) for g in grads]
 
 
 class _TrainStep(torch.autograd.Function):
@@ -73,6 +112,8 @@ class _TrainStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
+        if ctx.runner.nonfinite is not None:
+            grads = ctx.runner.nonfinite.check(grads)
         grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
 
@@ -143,6 +184,18 @@ class ParallelModule(nn.Module):
         if not torch.is_grad_enabled():
             return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
         return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+
+    @property
+    def fp8_nonfinite(self) -> bool:
+        """Whether the last backward of an FP8 program found an inf or nan gradient and zeroed the gradients
+        (Fp8Config(on_nonfinite="zero")): skip that optimizer step. `fp8_nonfinite_steps` counts such steps."""
+        check = self._runner.nonfinite
+        return bool(check and check.last)
+
+    @property
+    def fp8_nonfinite_steps(self) -> int:
+        check = self._runner.nonfinite
+        return check.steps if check else 0
 
     def manual_seed(self, seed: int, step: int = 0) -> None:
         """Restart the random stream dropout masks are drawn from at `seed`, as if the program had run `step`

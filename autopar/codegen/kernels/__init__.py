@@ -14,3 +14,12 @@ from autopar.codegen.kernels.cast_tensorwise import FP8_CAST_TENSORWISE
 from autopar.codegen.kernels.cast_transpose import FP8_CAST_TRANSPOSE
 
 __all__ = ["FP8_CAST_TENSORWISE", "FP8_CAST_ROWWISE", "FP8_CAST_TRANSPOSE"]
+
+
+def _register_rules() -> None:
+    from autopar.rules.fp8 import register_rules
+
+    register_rules(FP8_CAST_TENSORWISE, FP8_CAST_ROWWISE, FP8_CAST_TRANSPOSE)
+
+
+_register_rules()
