@@ -9,6 +9,7 @@ layout and needs no new formulation.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 from autopar.cost.fp8 import has_fp8
@@ -102,10 +103,8 @@ def variant_costs(ctx, key: str, chosen: NodeStrategy, plain_cost) -> dict[str, 
     shapes, dtypes = [m.shape for m in info.inputs], [m.dtype for m in info.inputs]
     cfg = ctx.config.fp8_config
     base = NodeStrategy(chosen.ins, chosen.outs)
-    variants = eligible(site, base, shapes, ctx.mesh.shape, cfg.__class__(mode="auto", exclude=cfg.exclude,
-                                                                          scaling=cfg.scaling,
-                                                                          fp8_all_gather=False))
-    if not variants or not (has_fp8(ctx.hw) or cfg.enabled):
+    variants = eligible(site, base, shapes, ctx.mesh.shape, dataclasses.replace(cfg, fp8_all_gather=False))
+    if not variants or not (has_fp8(ctx.hw) or cfg.mode == "all"):  # A100 under "auto": FP8 is not an option
         return {}
     out = {ctx.precision.name: float(f"{plain_cost(base):.6g}")}
     count = ctx.node_count[key]
@@ -129,4 +128,4 @@ def summary(ctx, nodes: dict) -> dict:
            "compute_saved_s": float(f"{saved:.6g}")}
     if not cfg.enabled and has_fp8(ctx.hw):
         out["auto_would_save_s"] = float(f"{would:.6g}")
-    return out if sites or cfg.enabled else {}
+    return out if sites else {}

@@ -14,7 +14,7 @@ from autopar.codegen.kernels import reference
 from autopar.codegen.kernels._launch import format_args, triton_module, use_triton
 from autopar.fp8.formats import DTYPES
 
-BR, BN = 4, 256
+BR, BN = 16, 256
 
 
 def triton_impl(x: torch.Tensor, fmt: str, *, interpret: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

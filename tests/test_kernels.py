@@ -1,0 +1,133 @@
+"""autopar's FP8 cast kernels: the Triton kernels (run by Triton's interpreter on CPU) against the torch
+reference bit for bit, the reference against the definition, and the ops' fake shapes and sharding rules."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.codegen.kernels import FP8_CAST_ROWWISE, FP8_CAST_TENSORWISE, FP8_CAST_TRANSPOSE, reference
+from autopar.codegen.kernels import cast_rowwise, cast_tensorwise, cast_transpose
+from autopar.codegen.kernels._launch import triton_available
+from autopar.fp8.formats import DTYPES, MAX
+from autopar.layout import R, S
+from autopar.rules import AxisStrategy
+from autopar.testing import rule_check
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+# Odd shapes (not multiples of any block), one row and one column, and shapes spanning several blocks.
+SHAPES = [(37, 133), (1, 300), (130, 1), (70, 257)]
+
+
+def _operand(shape, scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale
+    if shape[0] > 2:
+        x[1].zero_()  # an all-zero row: amax 0, the scale stays finite and the row casts to zeros
+    return x.to(dtype)
+
+
+def _same_bits(got, want, what):
+    (gd, gs), (wd, ws) = got, want
+    assert gd.dtype == wd.dtype and gd.shape == wd.shape and gd.is_contiguous(), what
+    diff = (gd.view(torch.uint8) != wd.view(torch.uint8)).sum().item()
+    assert diff == 0, f"{what}: {diff} of {wd.numel()} FP8 values differ"
+    assert gs.shape == ws.shape and torch.equal(gs.view(torch.int32), ws.view(torch.int32)), f"{what}: scales differ"
+
+
+CASES = [(shape, scale, dtype) for shape in SHAPES for scale, dtype in
+         ((1.0, torch.bfloat16), (3e4, torch.float32), (1e-30, torch.float32))]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0][0]}x{c[0][1]}-{c[1]:g}-{str(c[2])[6:]}"
+                                                         for c in CASES])
+def test_triton_kernels_match_the_reference_bit_for_bit(case, fmt):
+    """Large magnitudes (saturating E4M3 when scaled), tiny ones (subnormal fp32), bf16 and fp32 inputs, a
+    transposed (column-major) input, zero rows."""
+    shape, scale, dtype = CASES[case]
+    x = _operand(shape, scale, dtype, case)
+    for src in (x, x.t().contiguous().t()):  # row-major, then the same values column-major
+        _same_bits(cast_tensorwise.triton_impl(src, fmt), reference.cast_tensorwise(src, fmt), "tensorwise")
+        _same_bits(cast_rowwise.triton_impl(src, fmt), reference.cast_rowwise(src, fmt), "rowwise")
+        for rowwise in (False, True):
+            _same_bits(cast_transpose.triton_impl(src, fmt, rowwise), reference.cast_transpose(src, fmt, rowwise),
+                       f"transpose rowwise={rowwise}")
+
+
+@needs_triton
+def test_triton_kernels_on_empty_tensors_and_a_given_amax():
+    for shape in ((0, 16), (16, 0)):
+        x = torch.zeros(shape)
+        _same_bits(cast_tensorwise.triton_impl(x, "e4m3"), reference.cast_tensorwise(x, "e4m3"), f"tw {shape}")
+        _same_bits(cast_rowwise.triton_impl(x, "e4m3"), reference.cast_rowwise(x, "e4m3"), f"rw {shape}")
+        _same_bits(cast_transpose.triton_impl(x, "e4m3", True), reference.cast_transpose(x, "e4m3", True), "t")
+    x = _operand((33, 65), 10.0, torch.bfloat16, 7)
+    amax = torch.tensor(500.0)  # an amax reduced over ranks, larger than this shard's own
+    _same_bits(cast_tensorwise.triton_impl(x, "e4m3", amax), reference.cast_tensorwise(x, "e4m3", amax), "given")
+
+
+@needs_triton
+def test_every_fp32_rounding_case_matches_near_the_top_of_the_range():
+    """Each fp32 value between 400 and 448 (every 4096th), where a plain `.to(tl.float8e4nv)` under the
+    interpreter rounded differently from torch; with amax 448 the scale is exactly 1."""
+    x = torch.arange(0x43C80000, 0x43E00001, 4096, dtype=torch.int32).view(torch.float32)  # 400.0 .. 448.0
+    x = torch.cat([x, -x, torch.tensor([448.0])]).reshape(1, -1)
+    _same_bits(cast_tensorwise.triton_impl(x, "e4m3"), reference.cast_tensorwise(x, "e4m3"), "near 448")
+    ref = x.to(torch.float8_e4m3fn)  # scale 1: the reference is torch's own cast
+    assert torch.equal(reference.cast_tensorwise(x, "e4m3")[0].view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_reference_follows_the_definition():
+    x = _operand((8, 32), 5.0, torch.float32, 1)
+    data, inv = reference.cast_tensorwise(x, "e4m3")
+    amax = x.abs().max()
+    scale = torch.tensor(MAX["e4m3"]) / amax
+    assert torch.equal(inv, torch.tensor(1.0) / scale)
+    assert torch.equal(data.view(torch.uint8), (x * scale).clamp(-448, 448).to(DTYPES["e4m3"]).view(torch.uint8))
+    assert (data.float() * inv - x).abs().max() <= amax * 2 ** -4  # within half an E4M3 step of the largest value
+    data, inv = reference.cast_rowwise(x, "e5m2")
+    assert inv.shape == (8, 1) and data.dtype == torch.float8_e5m2
+    assert data.float().abs().amax(1).eq(MAX["e5m2"]).all() or x[1].abs().max() == 0
+
+
+def test_zero_and_nonfinite_inputs():
+    zeros = torch.zeros(4, 16)
+    data, inv = reference.cast_tensorwise(zeros, "e4m3")
+    assert torch.isfinite(inv) and data.float().eq(0).all()  # amax 0: finite scale, zeros out
+    data, inv = reference.cast_rowwise(zeros, "e5m2")
+    assert torch.isfinite(inv).all() and data.float().eq(0).all()
+    for bad in (float("inf"), float("nan")):
+        x = torch.ones(4, 16)
+        x[2, 3] = bad
+        data, inv = reference.cast_tensorwise(x, "e4m3")  # the whole tensor's scale is nan: every value nan
+        assert data.float().isnan().all() and inv.isnan()
+        data, inv = reference.cast_rowwise(x, "e4m3")  # only that row's scale
+        assert data[2].float().isnan().all() and not data[[0, 1, 3]].float().isnan().any()
+        a, b = data.float().clone(), torch.ones(16, 8).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(data, b.t().contiguous().t(), inv, torch.ones(1, 8), out_dtype=torch.bfloat16)
+        assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()  # the matmul carries it on
+
+
+def test_ops_have_fake_shapes_and_run_the_reference_on_cpu():
+    from autopar import _torch_compat as compat
+
+    x = _operand((32, 48), 2.0, torch.bfloat16, 3)
+    for op, args, shapes in ((FP8_CAST_TENSORWISE, ("e4m3",), [(32, 48), ()]),
+                             (FP8_CAST_ROWWISE, ("e5m2",), [(32, 48), (32, 1)]),
+                             (FP8_CAST_TRANSPOSE, ("e4m3", True), [(48, 32), (48, 1)]),
+                             (FP8_CAST_TRANSPOSE, ("e4m3", False), [(48, 32), ()])):
+        real = op(x, *args)
+        with compat.fake_tensor_mode() as mode:
+            fake = op(mode.from_tensor(x), *args)
+        assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake] == shapes
+        assert [t.dtype for t in real] == [t.dtype for t in fake]
+
+
+def test_a_wrong_cast_rule_fails_the_execution_check():
+    """Negative control: a tensorwise cast of shards with each shard's own amax is not the cast of the whole."""
+    x = _operand((8, 16), 50.0, torch.float32, 5)
+    wrong = [AxisStrategy((S(0),), (S(0), R))]
+    errors = rule_check.check_call(FP8_CAST_TENSORWISE, (x, "e4m3"), {}, 2, strategies=wrong)
+    assert errors and "FP8 values differ" in errors[0] or "differs" in errors[0], errors
