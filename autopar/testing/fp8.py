@@ -107,4 +107,42 @@ class OneRank:
         return out[0].detach()
 
 
-__all__ = ["fp8_matmul", "fp8_reference", "OneRank"]
+__all__ = ["fp8_matmul", "fp8_reference", "OneRank", "synthetic_corpus", "tracks", "train_one_rank"]
+
+
+def synthetic_corpus(vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """Batches of counting sequences (start and stride random per row, modulo the vocabulary), as
+    examples/train_llama.py trains on: a language a small model learns in a few dozen steps."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (batch, 1), generator=gen)
+        stride = torch.randint(1, 8, (batch, 1), generator=gen)
+        out.append((start + stride * torch.arange(seq)) % vocab)
+    return out
+
+
+def tracks(reference: Sequence[float], fp8: Sequence[float], last: int = 20, within: float = 0.03) -> dict:
+    """The convergence criterion: the FP8 run's mean loss over its last `last` steps is within `within` x the
+    reference's initial loss of the reference's own mean, and no FP8 loss is non-finite or above its first."""
+    import math
+
+    ref_tail = sum(reference[-last:]) / len(reference[-last:])
+    fp8_tail = sum(fp8[-last:]) / len(fp8[-last:])
+    gap = abs(fp8_tail - ref_tail) / reference[0]
+    diverged = any(not math.isfinite(x) or x > fp8[0] * 1.05 for x in fp8)
+    return {"reference_tail": ref_tail, "fp8_tail": fp8_tail, "gap": gap, "diverged": diverged,
+            "ok": gap <= within and not diverged}
+
+
+def train_one_rank(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn: Callable, config,
+                   lr: float = 3e-3) -> list[float]:
+    """AdamW steps of autopar's one-rank program over `batches`; the losses."""
+    runner = OneRank(model, (batches[0],), loss_fn, config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        losses.append(runner.step(batch).item())
+        opt.step()
+    return losses
