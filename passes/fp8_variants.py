@@ -24,6 +24,10 @@ def add_variants(ctx) -> None:
     strategy its FP8 copies; under mode "all" an eligible layout keeps its FP8 copies only."""
     cfg = ctx.config.fp8_config
     ctx.fp8_sites = find_sites(ctx, cfg.exclude)
+    if cfg.mode == "all" and not has_fp8(ctx.hw) and ctx.hw.name != "cpu":
+        raise ValueError(f"Config(fp8='all') on device {ctx.hw.name!r}: it has no FP8 tensor cores and "
+                         "torch._scaled_mm does not run there; use fp8='off' (or 'auto', which never picks FP8 on "
+                         "it), or plan for an FP8 device such as 'h100'")
     if not device_offers_fp8(ctx.hw, cfg):
         return
     if cfg.mode == "all" and not has_fp8(ctx.hw):

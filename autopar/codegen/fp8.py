@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
+from autopar import _torch_compat as compat
 from autopar.codegen.builder import CodegenError
 from autopar.codegen.collectives import VALUE_META, _c10d, checked_steps, redistribute
 from autopar.codegen.kernels import FP8_CAST_ROWWISE, FP8_CAST_TENSORWISE, FP8_CAST_TRANSPOSE
@@ -63,9 +65,7 @@ class Fp8Lowering:
         if base is None or self.low.layout_of(a) == dst:
             return None
         p, odd = base
-        from autopar.codegen.lower import _transpose_layout
-
-        pdst = _transpose_layout(dst) if odd else dst
+        pdst = tuple(Shard(1 - q.dim) if isinstance(q, Shard) else q for q in dst) if odd else dst
         steps = checked_steps(self.low.layout_of(p), pdst)
         if not steps or any(st.kind != "all_gather" for st in steps):
             return None
@@ -116,7 +116,7 @@ class Fp8Lowering:
         if swap:  # C^T = B^T @ A^T: the E5M2 gradient first
             ra, sa, rb, sb = rb, sb, ra, sa
         t = lambda x: b.call(aten.t.default, (x,), phase=phase)  # noqa: E731
-        out = b.call(aten._scaled_mm.default, (ra, t(rb), sa, t(sb) if rowwise else sb),
+        out = b.call(compat.scaled_mm_op(), (ra, t(rb), sa, t(sb) if rowwise else sb),
                      {"out_dtype": site.out_dtype, "use_fast_accum": phase == "fwd"}, phase=phase)
         if swap:
             out = t(out)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from autopar import _torch_compat as compat
 from autopar.codegen.kernels import reference as ref
 from autopar.config import DEFAULT_FP8_EXCLUDE
 
@@ -28,7 +29,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_fmt: str, b_fmt: str, rowwise
     with torch.autocast(a.device.type, enabled=False):
         ra, sa = _rows(a, a_fmt, rowwise)
         rb, sb = _rows(b.t(), b_fmt, rowwise)
-        return torch._scaled_mm(ra, rb.t(), sa, sb.t() if rowwise else sb, out_dtype=out_dtype)
+        return compat.scaled_mm_op()(ra, rb.t(), sa, sb.t() if rowwise else sb, out_dtype=out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

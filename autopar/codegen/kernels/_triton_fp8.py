@@ -6,7 +6,7 @@ arithmetic first (round-half-to-even onto the format's grid), so the final conve
 format holds exactly and its rounding mode cannot matter: Triton's interpreter converts fp32 to FP8 by truncating
 and adding the first dropped bit, without carrying into the exponent (1.99 -> 1.0 in E4M3), where torch and the
 GPU round to nearest even; a plain `.to(tl.float8e4nv)` therefore differs from torch. Division is `div_rn`
-(IEEE), never the approximate `/`; nan is written as its canonical bits, since GPU min/max drop nan; and every
+(IEEE), never the approximate `/`; offsets are int64, so tensors past 2^31 elements index correctly; nan is written as its canonical bits, since GPU min/max drop nan; and every
 `where` with a Python float is cast back to fp32, since the interpreter would otherwise carry on in float64.
 """
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _block_amax(x, mask, AXIS: tl.constexpr):
 @triton.jit
 def amax_kernel(x_ptr, amax_ptr, M, N, sxm, sxn, BM: tl.constexpr, BN: tl.constexpr):
     """amax_ptr[0] = max(amax_ptr[0], max |x| of this program's tile) (amax_ptr starts at 0)."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
     m = tl.max(tl.max(tl.where(mask, tl.abs(x), 0.0).to(tl.float32), axis=1), axis=0)
@@ -69,8 +69,8 @@ def cast_tensorwise_kernel(x_ptr, out_ptr, amax_ptr, inv_ptr, M, N, sxm, sxn, FP
     scale = _scale(tl.load(amax_ptr), FMAX, EPS)
     if (pm == 0) & (pn == 0):
         tl.store(inv_ptr, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale))
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
+    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
     bits = _fp8_bits(x * scale, FP8, MANT, MIN_EXP, FMAX)
@@ -85,10 +85,10 @@ def cast_rows_kernel(x_ptr, out_ptr, inv_ptr, M, N, sxm, sxn, FP8: tl.constexpr,
                      MIN_EXP: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr,
                      BN: tl.constexpr):
     """Rowwise: BR rows per program, one scale per row; the second pass over a row hits cache."""
-    rm = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     amax = tl.zeros((BR,), dtype=tl.float32)
     for start in range(0, N, BN):
-        rn = start + tl.arange(0, BN)
+        rn = (start + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         b = _block_amax(x, mask, 1)
@@ -96,7 +96,7 @@ def cast_rows_kernel(x_ptr, out_ptr, inv_ptr, M, N, sxm, sxn, FP8: tl.constexpr,
     scale = _scale(amax, FMAX, EPS)
     tl.store(inv_ptr + rm, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rm < M)
     for start in range(0, N, BN):
-        rn = start + tl.arange(0, BN)
+        rn = (start + tl.arange(0, BN)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         bits = _fp8_bits(x * scale[:, None], FP8, MANT, MIN_EXP, FMAX)
@@ -109,10 +109,10 @@ def cast_cols_transpose_kernel(x_ptr, out_ptr, inv_ptr, M, N, sxm, sxn, FP8: tl.
                                BC: tl.constexpr):
     """Rowwise cast of x^T: BC columns of x (M x N) per program, one scale per column, written as rows of the
     N x M output."""
-    rn = tl.program_id(0) * BC + tl.arange(0, BC)
+    rn = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
     amax = tl.zeros((BC,), dtype=tl.float32)
     for start in range(0, M, BM):
-        rm = start + tl.arange(0, BM)
+        rm = (start + tl.arange(0, BM)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         b = _block_amax(x, mask, 0)
@@ -120,7 +120,7 @@ def cast_cols_transpose_kernel(x_ptr, out_ptr, inv_ptr, M, N, sxm, sxn, FP8: tl.
     scale = _scale(amax, FMAX, EPS)
     tl.store(inv_ptr + rn, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rn < N)
     for start in range(0, M, BM):
-        rm = start + tl.arange(0, BM)
+        rm = (start + tl.arange(0, BM)).to(tl.int64)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
         bits = _fp8_bits(x * scale[None, :], FP8, MANT, MIN_EXP, FMAX)
