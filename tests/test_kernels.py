@@ -130,3 +130,33 @@ def test_a_wrong_cast_rule_fails_the_execution_check():
     wrong = [AxisStrategy((S(0),), (S(0), R))]
     errors = rule_check.check_call(FP8_CAST_TENSORWISE, (x, "e4m3"), {}, 2, strategies=wrong)
     assert errors and "FP8 values differ" in errors[0], errors
+
+
+# --- on a GPU (skipped without one): the kernels compiled for real ------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_compiled_kernels_match_the_reference_on_gpu(fmt):
+    for case, (shape, scale, dtype) in enumerate(CASES):
+        x = _operand(shape, scale, dtype, case).cuda()
+        for src in (x, x.t().contiguous().t()):
+            _same_bits(cast_tensorwise.triton_impl(src, fmt), reference.cast_tensorwise(src, fmt), "tensorwise")
+            _same_bits(cast_rowwise.triton_impl(src, fmt), reference.cast_rowwise(src, fmt), "rowwise")
+            for rowwise in (False, True):
+                _same_bits(cast_transpose.triton_impl(src, fmt, rowwise),
+                           reference.cast_transpose(src, fmt, rowwise), f"transpose rowwise={rowwise}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_ops_dispatch_to_triton_on_gpu_and_feed_scaled_mm():
+    x = _operand((256, 512), 3.0, torch.bfloat16, 11).cuda()
+    w = _operand((384, 512), 0.05, torch.bfloat16, 12).cuda()
+    a, sa = FP8_CAST_ROWWISE(x, "e4m3")
+    b, sb = FP8_CAST_ROWWISE(w, "e4m3")
+    out = compat.scaled_mm_op()(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16)
+    ref = x.float() @ w.float().t()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.05

@@ -24,8 +24,8 @@ def fp8_line(plan: Any) -> str | None:
         would = f.get("auto_would_save_s")
         if would is None:
             return None
-        return (f"off; Config(fp8='auto') would save about {fmt_time(would)} of compute per step on these layouts, "
-                "running FP8 where it pays (FP8 changes numerics: opt in)")
+        return (f"off; Config(fp8='auto') would save about {fmt_time(would)} of compute per step on these "
+                "layouts (FP8 changes numerics: opt in)")
     return f"{f['mode']}: {runs} in FP8, estimated gain {fmt_time(f.get('compute_saved_s', 0.0))} of compute per step"
 
 
