@@ -18,7 +18,6 @@ alone misses the criterion (measured gap 0.056 at 200 steps), so the criterion c
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 import warnings
 

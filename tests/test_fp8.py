@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
