@@ -64,15 +64,18 @@ def program(plan: Plan, rank: int = 0, *, model: nn.Module | None = None, exampl
     return comp.program(RankSpec.of_rank(plan.mesh.axis_names, plan.mesh.shape, rank), plan)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], *,
+def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any] | None = None, *,
                 example_kwargs: dict | None = None, loss_fn: Callable | None = None, config: Config | None = None,
                 plan: Plan | None = None, seed: int | None = None, compile: bool = False):
     """Parallelize `model` over `mesh` for training: returns a ParallelModule whose call runs this rank's
     generated program and returns the loss.
 
-    Every rank calls this with the same model (same seed, or on the meta device) and example inputs. Without
-    `plan`, rank 0 plans on the full graph and broadcasts the plan. A meta-device model gets only its local
-    shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
+    Every rank calls this with the same model (same seed, or on the meta device). Without `example_inputs`
+    the module plans on its first call, with the real inputs (every rank makes that call); with them it plans
+    now. Parameters belong to the ParallelModule from the start, so an optimizer made right after this call
+    (`torch.optim.AdamW(pm.parameters())`) steps the sharded parameters the first call puts in place.
+    Without `plan`, rank 0 plans on the full graph and broadcasts the plan. A meta-device model gets only its
+    local shards allocated, initialized by `model.init_weights(seed)` (see autopar.runtime.state.init_meta).
     `seed` is also the base seed of dropout masks (autopar/codegen/rng.py); without it, rank 0's
     `torch.initial_seed()` is, sent to every rank.
     A given plan runs in the mixed precision it records, unless `config.mixed_precision` resolves to another
@@ -84,28 +87,56 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any
     `_Programs.eval_program`), so real weights of a model not on the meta device stay alive with it.
     """
     from autopar import runtime
-    from autopar.codegen.lower import multi_axis_grad_reductions
-    from autopar.compiler import capture_step, reject_collectives, tied_names
-    from autopar.model_spec import ModelSpec
 
     config = (config or Config()).with_plan_precision(plan)  # a config that leaves it open runs the plan's
     runtime.check_mesh(mesh)
-    comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None)
-    reject_collectives(comp.captured)
-    chosen = _agree(comp, plan)
-    if chosen.model is None:
-        chosen.model = ModelSpec.python(model).to_json()
-    rank = runtime.rank_spec(mesh, multi_axis_grad_reductions(chosen, comp.captured))
-    prog = comp.program(rank, chosen)
-    aliases = tied_names(model, comp.captured)
-    params, buffers = runtime.load_state(model, prog, mesh, seed, aliases)
-    programs = _Programs(model, mesh, loss_fn, config, comp, chosen,
-                         {t.name: t.layout for t in (*prog.params, *prog.buffers)})
-    return runtime.ParallelModule(program=prog, mesh=mesh, params=params, buffers=buffers, aliases=aliases,
-                                  non_persistent=runtime.non_persistent_buffers(model),
-                                  requires_grad={f: model.get_parameter(f).requires_grad for f in prog.param_names},
-                                  build_eval_program=programs.eval_program, program_of_rank=programs.of_rank,
-                                  rng_seed=runtime.agree_on_seed(seed), compile=compile)
+    builder = _Training(model, mesh, loss_fn, config, plan, seed)
+    common = dict(mesh=mesh, aliases=_aliases(model), non_persistent=runtime.non_persistent_buffers(model),
+                  requires_grad={n: p.requires_grad for n, p in model.named_parameters()},
+                  rng_seed=runtime.agree_on_seed(seed), compile=compile)
+    if example_inputs is None:
+        params, buffers = runtime.placeholder_state(model, mesh)
+        return runtime.ParallelModule(params=params, buffers=buffers, build=builder.build, **common)
+    built = builder.build(tuple(example_inputs), example_kwargs or {})
+    # Parameters and buffers the step never reads stay as they are (replicated), as the model keeps them.
+    params, buffers = runtime.placeholder_state(model, mesh, skip=set(built.params) | set(built.buffers))
+    return runtime.ParallelModule(params={**params, **built.params}, buffers={**buffers, **built.buffers}, built=built,
+                                  **common)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter FQN (the first name) -> the other names of the same tensor (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+
+
+class _Training:
+    """Builds a training program for given inputs: capture the whole model, agree on a plan across ranks,
+    generate this rank's Program and load the weights into DTensors in its layouts."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, loss_fn: Callable | None, config: Config,
+                 plan: Plan | None, seed: int | None):
+        self.model, self.mesh, self.loss_fn, self.config, self.plan, self.seed = model, mesh, loss_fn, config, plan, seed
+
+    def build(self, args: tuple, kwargs: dict):
+        from autopar import runtime
+        from autopar.codegen.lower import multi_axis_grad_reductions
+        from autopar.compiler import capture_step, reject_collectives
+        from autopar.model_spec import ModelSpec
+
+        comp = capture_step(self.model, self.mesh, args, kwargs, self.loss_fn, self.config, template_layers=None)
+        reject_collectives(comp.captured)
+        chosen = _agree(comp, self.plan)
+        if chosen.model is None:
+            chosen.model = ModelSpec.python(self.model).to_json()
+        rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(chosen, comp.captured))
+        prog = comp.program(rank, chosen)
+        params, buffers = runtime.load_state(self.model, prog, self.mesh, self.seed, _aliases(self.model))
+        programs = _Programs(self.model, self.mesh, self.loss_fn, self.config, comp, chosen,
+                             {t.name: t.layout for t in (*prog.params, *prog.buffers)})
+        return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank)
 
 
 def _agree(comp, given: Plan | None) -> Plan:

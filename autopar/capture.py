@@ -58,6 +58,8 @@ class Captured:
     mutations: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
     # FQNs of the batch norm modules that run in training mode (they compute batch statistics).
     batch_norms: list[str] = dataclasses.field(default_factory=list)
+    # Outputs besides the loss, when the loss function returns (loss, *outputs): returned, never differentiated.
+    outputs: list[fx.Node] = dataclasses.field(default_factory=list)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -79,9 +81,10 @@ class _LossWrapper(nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.model(*args, **kwargs)
-        if self.loss_fn is not None:
-            return self.loss_fn(out, *args, **kwargs)
-        return _loss_from_output(out)
+        res = self.loss_fn(out, *args, **kwargs) if self.loss_fn is not None else _loss_from_output(out)
+        if isinstance(res, (tuple, list)):  # (loss, *other outputs): the others are returned, not differentiated
+            return (res[0], *(x.detach() for x in res[1:]))
+        return res
 
 
 def _loss_from_output(out: Any) -> torch.Tensor:
@@ -313,11 +316,13 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    mutations = {}
+    mutations, outputs = {}, []
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)
-        if kind == "loss":
+        if kind == "loss" and loss is None:
             loss = value
+        elif kind == "loss":
+            outputs.append(value)
         elif kind == "grad_param" and value is not None:
             grads[_strip(what)] = value
         elif kind == "mutated_buffer":
@@ -358,7 +363,7 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
     cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
                    block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
-                   checkpointed=checkpointed, mutations=mutations)
+                   checkpointed=checkpointed, mutations=mutations, outputs=outputs)
     return cap
 
 

@@ -128,19 +128,6 @@ def reject_collectives(cap: Captured) -> None:
                              "single-device model, without explicit collectives, DTensor or FSDP/TP wrappers")
 
 
-def tied_names(model: nn.Module, cap: Captured) -> dict[str, list[str]]:
-    """Graph parameter FQN -> the other names of the same tensor (tied weights, one graph input)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    aliases = {}
-    for names in by_id.values():
-        canon = next((n for n in names if n in cap.params), None)
-        if canon is not None and len(names) > 1:
-            aliases[canon] = [n for n in names if n != canon]
-    return aliases
-
-
 @contextlib.contextmanager
 def forward_only(model: nn.Module) -> Iterator[None]:
     """The model in eval mode with no parameter requiring grad (so a trace has no backward); every module's
@@ -159,5 +146,4 @@ def forward_only(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(req)
 
 
-__all__ = ["Compilation", "capture_step", "solve", "compile_plan", "fingerprint", "reject_collectives", "tied_names",
-           "forward_only"]
+__all__ = ["Compilation", "capture_step", "solve", "compile_plan", "fingerprint", "reject_collectives", "forward_only"]

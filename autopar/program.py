@@ -127,10 +127,11 @@ class Collective:
 
 @dataclasses.dataclass
 class Program:
-    """One rank's step: `forward(*params, *buffers, *inputs[, rng_seed]) -> (loss, *new buffer values, *saved)`
-    and `backward(*saved, *tangents) -> (grad per param or None)`, with the specs to call them. The new values
-    are those of `buffer_updates` (batch norm running statistics, counters), in their buffers' layouts: the
-    caller writes them into its buffers.
+    """One rank's step: `forward(*params, *buffers, *inputs[, rng_seed]) -> (loss, *new buffer values, *outputs,
+    *saved)` and `backward(*saved, *tangents) -> (grad per param or None)`, with the specs to call them. The new
+    values are those of `buffer_updates` (batch norm running statistics, counters), in their buffers' layouts:
+    the caller writes them into its buffers. `outputs` are the step's other results (when the loss function
+    returns `(loss, *outputs)`), each this rank's piece in its planned layout (TensorSpec), never differentiated.
 
     Eval programs (forward only) have an empty backward. `takes_seed`: forward takes the dropout step seed of
     codegen/rng.py last (an int, or a 0-d int64 tensor in the functional form, `seed_as_tensor`)."""
@@ -146,6 +147,7 @@ class Program:
     recomputed: list[str]
     collectives: list[Collective]
     buffer_updates: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[TensorSpec] = dataclasses.field(default_factory=list)
     takes_seed: bool = False
     seed_as_tensor: bool = False
     forward_only: bool = False

@@ -13,7 +13,7 @@ from autopar.capture import capture
 from autopar.codegen.kernels import FP8_CAST_ROWWISE, FP8_CAST_TENSORWISE, FP8_CAST_TRANSPOSE
 from autopar.layout import P, R, S
 from autopar.rules import (AxisStrategy, axis_strategies, clear_missing, einsum_strategies, fmt_strategy,
-                           missing_ops, op_info, registered_targets, registry)
+                           missing_ops, registered_targets, registry)
 from autopar.rules.base import OpInfo
 from autopar.testing import rule_check
 
@@ -118,14 +118,12 @@ def traced(name: str):
 
 
 def _ops(name: str) -> set:
-    return {n.target for n in traced(name)[0].compute_nodes() if isinstance(n.target, torch._ops.OpOverload)}
+    return rule_check.graph_ops(traced(name)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_op_of_model_has_a_rule(name):
-    cap, _ = traced(name)
-    unknown = sorted({str(n.target) for n in cap.compute_nodes()
-                      if isinstance(n.target, torch._ops.OpOverload) and not axis_strategies(op_info(n))[1]})
+    unknown = rule_check.ops_without_rules(traced(name)[0])
     assert not unknown, f"{name}: no rule for {unknown}"
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from autopar.capture import capture
 from autopar.layout import P_AVG, R, S
-from autopar.rules import AxisStrategy, axis_strategies, fmt_strategy, op_info
+from autopar.rules import AxisStrategy, axis_strategies, fmt_strategy
 from autopar.testing import rule_check
 
 aten = torch.ops.aten
@@ -111,14 +111,12 @@ def traced(name: str):
 
 
 def ops(name: str) -> set:
-    return {n.target for n in traced(name)[0].compute_nodes() if isinstance(n.target, torch._ops.OpOverload)}
+    return rule_check.graph_ops(traced(name)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_op_of_model_has_a_rule(name):
-    cap, _ = traced(name)
-    unknown = sorted({str(n.target) for n in cap.compute_nodes()
-                      if isinstance(n.target, torch._ops.OpOverload) and not axis_strategies(op_info(n))[1]})
+    unknown = rule_check.ops_without_rules(traced(name)[0])
     assert not unknown, f"{name}: no rule for {unknown}"
 
 

@@ -31,11 +31,16 @@ def generate(plan: Plan, cap: Captured, rank: RankSpec) -> Program:
     inputs = [spec(cap.names[n], n, local, int(getattr(n.meta.get("desc"), "idx", i)))
               for i, (n, local) in enumerate(zip(cap.inputs, joint.inputs))]
     forward_only = not any(g is not None for g in cap.grads.values())
+    out_locals = next(n for n in parts.forward.graph.nodes if n.op == "output").args[0][1 + len(joint.updates):]
+    outputs = [TensorSpec(cap.names[n], tuple(int(s) for s in n.meta["val"].shape),
+                          tuple(int(s) for s in local.meta["val"].shape), n.meta["val"].dtype,
+                          tuple(_layout_of(plan, cap, n)))
+               for n, local in zip(cap.outputs, out_locals)]
     return Program(plan=plan, rank=rank, forward=parts.forward, backward=parts.backward, params=params,
                    buffers=buffers, inputs=inputs, saved=parts.saved, recomputed=parts.recomputed,
                    collectives=[*program_collectives(parts.forward, "forward", rank),
                                 *program_collectives(parts.backward, "backward", rank)],
-                   buffer_updates=list(joint.updates),
+                   buffer_updates=list(joint.updates), outputs=outputs,
                    takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint)
 
 
@@ -47,6 +52,17 @@ def functional(program: Program) -> Program:
 
     return dataclasses.replace(program, forward=schedule.functional(program.forward),
                                backward=schedule.functional(program.backward), seed_as_tensor=program.takes_seed)
+
+
+def _layout_of(plan: Plan, cap: Captured, node: fx.Node) -> tuple:
+    """The planned layout of a value (an output of its producer, looking through tuple getitem)."""
+    import operator
+
+    idx = 0
+    if node.op == "call_function" and node.target is operator.getitem:
+        node, idx = node.args[0], int(node.args[1])
+    name = cap.names[node]
+    return (plan.nodes.get(name) or plan.nodes[plan.key(name)]).outs[idx]
 
 
 def program_collectives(gm: fx.GraphModule, graph: str, rank: RankSpec) -> list[Collective]:

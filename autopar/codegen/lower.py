@@ -36,7 +36,7 @@ class LocalJoint:
     Placeholders: params (in `params` order), buffers, inputs, tangents, and `rng_seed` (an int, the step
     seed of codegen/rng.py) when the program draws dropout masks. Output: (loss replicated, grad per param in
     `params` order, each in its parameter's layout, or None, then the new value of each buffer in `updates`,
-    in the buffer's layout)."""
+    in the buffer's layout, then the other outputs in their producers' layouts)."""
 
     gm: fx.GraphModule
     phase: dict[fx.Node, str]
@@ -50,6 +50,7 @@ class LocalJoint:
     # backward instead of saved.
     recompute: set[fx.Node] = dataclasses.field(default_factory=set)
     updates: list[str] = dataclasses.field(default_factory=list)  # buffers the step updates, in output order
+    n_outputs: int = 0  # outputs besides the loss (returned in their producers' layouts), last in the output
 
     @property
     def code(self) -> str:
@@ -133,7 +134,7 @@ class _Lowering:
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
         return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
-                          self.b.recompute, list(cap.mutations))
+                          self.b.recompute, list(cap.mutations), len(cap.outputs))
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
@@ -380,7 +381,7 @@ class _Lowering:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
                    for fqn, v in cap.mutations.items()]
-        self.b.output((loss, *(grads[f] for f in cap.params), *updates))
+        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs)))
 
 
 def _bucketed(steps) -> tuple[int, ...] | int | None:

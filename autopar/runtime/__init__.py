@@ -3,8 +3,8 @@ run as an autograd.Function), the job's mesh and process groups, agreement on on
 parameter state. Nothing here captures a model or plans: `autopar.parallelize` (autopar/api.py) does, and hands
 the runtime Programs and callables that build more."""
 from autopar.runtime.dist import agree_on_plan, agree_on_seed, check_mesh, rank_spec, world
-from autopar.runtime.module import ParallelModule, input_dtensor
-from autopar.runtime.state import load_state, non_persistent_buffers
+from autopar.runtime.module import Built, ParallelModule, input_dtensor
+from autopar.runtime.state import load_state, non_persistent_buffers, placeholder_state
 
-__all__ = ["ParallelModule", "input_dtensor", "agree_on_plan", "agree_on_seed", "check_mesh", "rank_spec", "world",
+__all__ = ["Built", "ParallelModule", "input_dtensor", "placeholder_state", "agree_on_plan", "agree_on_seed", "check_mesh", "rank_spec", "world",
            "load_state", "non_persistent_buffers"]

@@ -1,6 +1,7 @@
 """ParallelModule: DTensor parameters and the generated per-rank program run as one autograd.Function."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,16 +39,17 @@ class _Runner:
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
         """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
-        module does), and returns the loss and the tensors saved for backward."""
+        module does), and returns the loss, the other outputs (local pieces) and the tensors saved for
+        backward."""
         with torch.autocast(self._device_type, enabled=False):
             out = self._graphs[0](*args)
-        k = len(self._updated)
+        k, m = len(self._updated), len(self.program.outputs)
         with torch.no_grad():
             for i, new in zip(self._updated, out[1:1 + k]):
                 args[i].copy_(new)
-        return out[0], out[1 + k:]
+        return out[0], tuple(out[1 + k:1 + k + m]), out[1 + k + m:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
@@ -100,22 +102,35 @@ class _TrainStep(torch.autograd.Function):
     # than a small layer's compute) and their gradients go back as DTensors of the same spec.
 
     @staticmethod
-    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         params = flat[:n_params]
-        loss, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
+        loss, outputs, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
         ctx.save_for_backward(*saved)
-        return loss
+        ctx.mark_non_differentiable(*outputs)
+        return (loss, *outputs)
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, *_outputs):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
         if ctx.runner.nonfinite is not None:
             grads = ctx.runner.nonfinite.check(grads)
         grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
+
+
+@dataclasses.dataclass
+class Built:
+    """A training program for a ParallelModule: the Program, the parameters and buffers as DTensors in its
+    layouts, and the callables that build the module's further programs (eval inputs, another rank's)."""
+
+    program: Program
+    params: dict[str, DTensor]
+    buffers: dict[str, DTensor]
+    build_eval_program: Callable[[tuple, dict], Program]
+    program_of_rank: Callable[[int], Program] | None = None
 
 
 class ParallelModule(nn.Module):
@@ -133,57 +148,96 @@ class ParallelModule(nn.Module):
       for inputs of any shape; the loss never requires grad (`pm.train()` to train). Each new input signature
       gets its program from `build_eval_program(args, kwargs)` on its first call, on every rank.
 
-    Built by `autopar.parallelize`, which hands it the training Program and the callables that build more
-    programs (`build_eval_program`, `program_of_rank`); it never captures or plans itself. `params` values
-    that are already `nn.Parameter`s (holding DTensors) are registered as they are, so a caller can keep
-    references to them.
+    Built by `autopar.parallelize`, which hands it either a `Built` training program or a `build(args, kwargs)`
+    callable that makes one from the first call's inputs (every rank makes that call); a Built carries the
+    callables that make further programs (`build_eval_program`, `program_of_rank`). The module never captures
+    or plans itself. Its parameters are registered at construction and keep their identity: when the program
+    arrives, each one takes the plan's placements in place (`torch.utils.swap_tensors`), so an optimizer made
+    before the first call steps the sharded parameters.
     """
 
-    def __init__(self, *, program: Program, mesh: DeviceMesh, params: dict[str, torch.Tensor],
-                 buffers: dict[str, DTensor], aliases: dict[str, list[str]], non_persistent: set[str],
-                 requires_grad: dict[str, bool], build_eval_program: Callable[[tuple, dict], Program],
-                 program_of_rank: Callable[[int], Program] | None = None, rng_seed: int = 0,
+    def __init__(self, *, mesh: DeviceMesh, params: dict[str, torch.Tensor], buffers: dict[str, DTensor],
+                 aliases: dict[str, list[str]], non_persistent: set[str], requires_grad: dict[str, bool],
+                 built: Built | None = None, build: Callable[[tuple, dict], Built] | None = None, rng_seed: int = 0,
                  compile: bool = False):
         super().__init__()
-        self.plan = program.plan
+        self.plan = None
         self.mesh = mesh
-        self._program = program
-        self._build_eval_program = build_eval_program
-        self._program_of_rank = program_of_rank
+        self._program: Program | None = None
+        self._build = build
+        self._compile = compile
         self._eval: dict[tuple, _Runner] = {}  # input signature -> the runner of its eval program
         self._coords = mesh_coords(mesh)
         self._sizes = tuple(mesh.mesh.shape)
         self._device = mesh_device(mesh)
+        self._non_persistent = non_persistent
         self.manual_seed(rng_seed)
-        program.forward.to(self._device)  # constants the program holds
-        program.backward.to(self._device)
-        self._runner = _Runner(program, mesh.device_type, compile)
-        for fqn in program.param_names:
-            t = params[fqn]
+        for fqn, t in params.items():
             p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=requires_grad.get(fqn, True))
             for name in [fqn, *aliases.get(fqn, [])]:
                 _container(self, name).register_parameter(name.rpartition(".")[2], p)
+        for fqn, b in buffers.items():
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], b, persistent=fqn not in non_persistent)
+        if built is not None:
+            self._install(built, params_registered=True)
+
+    def _install(self, built: Built, params_registered: bool = False) -> None:
+        """Take a training program: its parameters' placements into the registered Parameter objects (unless
+        they were registered from `built` itself), its buffers, its runner."""
+        program = built.program
+        for fqn in [] if params_registered else program.param_names:
+            p = self.get_parameter(fqn)
+            torch.utils.swap_tensors(p, nn.Parameter(built.params[fqn], requires_grad=p.requires_grad))
         for fqn in program.buffer_names:
-            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], buffers[fqn],
-                                                  persistent=fqn not in non_persistent)
+            _container(self, fqn).register_buffer(fqn.rpartition(".")[2], built.buffers[fqn],
+                                                  persistent=fqn not in self._non_persistent)
+        program.forward.to(self._device)  # constants the program holds
+        program.backward.to(self._device)
+        self._program, self.plan = program, program.plan
+        self._runner = _Runner(program, self.mesh.device_type, self._compile)
+        self._build_eval_program, self._program_of_rank = built.build_eval_program, built.program_of_rank
+        self._build = None
+
+    def _planned(self, args: tuple, kwargs: dict) -> Program:
+        """The training program, built from these inputs on the first call when none was given."""
+        if self._program is None:
+            if self._build is None:
+                raise ValueError("this ParallelModule has no program and no way to build one")
+            self._install(self._build(args, kwargs))
+        return self._program
 
     # --- running -------------------------------------------------------------------------------------------
     @property
     def input_placements(self) -> list[tuple[Placement, ...]]:
         """Per tensor input (flattened args then kwargs), its placements in mesh_dim_names order."""
-        return [tuple(i.layout) for i in self._program.inputs]
+        return [tuple(i.layout) for i in self._require_program().inputs]
+
+    def _require_program(self) -> Program:
+        if self._program is None:
+            raise ValueError("the ParallelModule plans on its first call: call it once with a batch (on every "
+                             "rank), or pass example_inputs to autopar.parallelize to plan ahead")
+        return self._program
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        prog = self._planned(args, kwargs)
         if not self.training:
             return self._evaluate(args, kwargs)
-        prog = self._program
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
-            return self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs, *seed)[0]
-        return _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+            loss, outputs, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
+                                                    *seed)
+        else:
+            loss, *outputs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+        return self._result(prog, loss, outputs)
+
+    def _result(self, prog: Program, loss: torch.Tensor, outputs) -> Any:
+        """The loss, or (loss, *outputs) with each other output a DTensor in its planned layout."""
+        if not prog.outputs:
+            return loss
+        return (loss, *(as_dtensor(o, self.mesh, spec.layout, spec.shape) for o, spec in zip(outputs, prog.outputs)))
 
     @property
     def fp8_nonfinite(self) -> bool:
@@ -215,8 +269,9 @@ class ParallelModule(nn.Module):
     def program(self, rank: int | None = None) -> Program:
         """The training Program of global rank `rank` (print it to read its code, collectives and buckets);
         None: the one this rank runs. Another rank's is generated here with placeholder group names."""
-        if rank is None or rank == self._program.rank.rank:
-            return self._program
+        prog = self._require_program()
+        if rank is None or rank == prog.rank.rank:
+            return prog
         if self._program_of_rank is None:
             raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
         return self._program_of_rank(rank)
@@ -224,6 +279,7 @@ class ParallelModule(nn.Module):
     def eval_program(self, *args: Any, **kwargs: Any) -> Program:
         """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
         on first use, so call it on every rank."""
+        self._require_program()
         return self._eval_runner(args, kwargs).program
 
     def _eval_runner(self, args: tuple, kwargs: dict) -> _Runner:
@@ -242,7 +298,8 @@ class ParallelModule(nn.Module):
         params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         with torch.no_grad():
-            return runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))[0]
+            loss, outputs, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
+        return self._result(prog, loss, outputs)
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
         """This rank's shard of an eval input; a DTensor in another layout is gathered first."""
@@ -289,7 +346,7 @@ class ParallelModule(nn.Module):
     # --- inspection and state ------------------------------------------------------------------------------
     def local_code(self) -> str:
         """This rank's generated forward and backward programs as Python text."""
-        return self._program.code()
+        return self._require_program().code()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
@@ -316,8 +373,8 @@ class ParallelModule(nn.Module):
                     v.copy_(full)
 
     def extra_repr(self) -> str:
-        mesh = dict(zip(self.plan.mesh.axis_names, self.plan.mesh.shape))
-        return f"mesh={mesh}, params={len(self._program.params)}"
+        mesh = dict(zip(self.mesh.mesh_dim_names, self.mesh.mesh.shape))
+        return f"mesh={mesh}, planned={self._program is not None}"
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 Layout = tuple[Placement, ...]
 
@@ -165,6 +165,20 @@ def load_state(model: nn.Module, program: Any, mesh: DeviceMesh, seed: int | Non
     else:
         done = {fqn: dt for fqn, (_, dt) in out.items()}
     return ({s.name: done[s.name] for s in program.params}, {s.name: done[s.name] for s in program.buffers})
+
+
+def placeholder_state(model: nn.Module, mesh: DeviceMesh,
+                      skip: set[str] = frozenset()) -> tuple[dict[str, DTensor], dict[str, DTensor]]:
+    """Every parameter and buffer of `model` (but those named in `skip`) as a replicated DTensor over its own
+    storage (no copy; on the meta device for a meta model): what a ParallelModule that plans on its first call
+    holds until then, so that an optimizer can be made over its parameters before the plan exists."""
+    def wrap(t: torch.Tensor) -> DTensor:
+        local = t.detach() if t.is_meta else t.detach().to(mesh_device(mesh))
+        return as_dtensor(local, mesh, tuple(Replicate() for _ in mesh.mesh.shape), t.shape)
+
+    params = {n: wrap(p) for n, p in model.named_parameters() if n not in skip}
+    buffers = {n: wrap(b) for n, b in model.named_buffers() if n not in skip}
+    return params, buffers
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:

@@ -120,6 +120,17 @@ def check_graph(gm: fx.GraphModule, calls: dict[fx.Node, tuple[tuple, dict]], me
     return errors
 
 
+def graph_ops(cap) -> set:
+    """The ATen ops a captured graph calls."""
+    return {n.target for n in cap.compute_nodes() if isinstance(n.target, torch._ops.OpOverload)}
+
+
+def ops_without_rules(cap) -> list[str]:
+    """The ATen ops of a captured graph that no sharding rule covers (they would run replicated)."""
+    return sorted({str(n.target) for n in cap.compute_nodes()
+                   if isinstance(n.target, torch._ops.OpOverload) and not axis_strategies(op_info(n))[1]})
+
+
 def check_captured(cap, model: torch.nn.Module, args: Sequence, kwargs: dict | None = None,
                    mesh_sizes: Sequence[int] = (2, 4)) -> list[str]:
     """Run a captured model's joint graph on its real weights and inputs; check every op on each mesh size."""
