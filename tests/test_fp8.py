@@ -365,7 +365,7 @@ def test_fp8_on_a_2x2_mesh_trains_like_one_device_fp8_and_handles_inf():
 
 
 def test_nonfinite_policy_comes_from_the_plan_config():
-    from autopar.runtime.module import NonFiniteCheck
+    from autopar.runtime.fp8 import NonFiniteCheck
 
     model, tokens = _tiny(2, 32)
     for policy in ("raise", "zero"):
@@ -420,7 +420,7 @@ def test_gpt2_conv1d_linears_run_fp8_and_train_like_fp32():
             buffers = [m.get_buffer(n) for n in prog.buffer_names]
             with torch.no_grad():
                 res = prog.forward(*[p.detach() for p in params], *buffers, *args, kwargs["labels"])
-                grads = prog.backward(*res[1:], torch.ones(()))
+                grads = prog.backward(*res[1 + len(prog.buffer_updates) + len(prog.outputs):], torch.ones(()))
             for p, g in zip(params, grads):
                 p.grad = g
             opt.step()

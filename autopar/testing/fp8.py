@@ -101,7 +101,8 @@ class OneRank:
         buffers = [self.model.get_buffer(n) for n in prog.buffer_names]
         with torch.no_grad():
             out = prog.forward(*[p.detach() for p in params], *buffers, *inputs)
-            grads = prog.backward(*out[1 + len(prog.buffer_updates):], torch.ones((), dtype=out[0].dtype))
+            saved = out[1 + len(prog.buffer_updates) + len(prog.outputs):]
+            grads = prog.backward(*saved, torch.ones((), dtype=out[0].dtype))
         for p, g in zip(params, grads):
             if g is not None:
                 p.grad = g.clone() if p.grad is None else p.grad + g

@@ -27,12 +27,21 @@ def use_triton(x: torch.Tensor) -> bool:
 def triton_module(interpret: bool = False) -> Iterator:
     """The module of Triton kernels, jitted for the GPU or (interpret=True) for Triton's interpreter, which runs
     them on CPU tensors. Triton reads TRITON_INTERPRET when a kernel is decorated (so switching reloads the
-    module) and again in modules it imports lazily during a launch, so the variable stays set inside the block."""
+    module) and again in modules it imports lazily during a launch, so the variable stays set inside the block.
+    The interpreter also needs Triton's own library imported under TRITON_INTERPRET=1 (tl.max is itself a
+    jitted function): in a process that imported Triton without it, interpret=True raises."""
     import sys
 
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
+        if interpret and "triton.language" in sys.modules:
+            import triton.language as tl
+
+            if type(tl.standard.max).__name__ == "JITFunction":
+                raise RuntimeError("Triton was imported without TRITON_INTERPRET=1, so its own library functions "
+                                   "(tl.max, ...) cannot run in the interpreter; set TRITON_INTERPRET=1 before "
+                                   "Triton is first imported (python -m autopar.codegen.kernels.selfcheck does)")
         mod = sys.modules.get(_MODULE)
         if mod is None:
             mod = importlib.import_module(_MODULE)
