@@ -14,6 +14,8 @@ and used with that one scale.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
@@ -145,16 +147,13 @@ class Fp8Lowering:
             val = val.t()
         if val.is_contiguous() or not val.t().is_contiguous():
             src = b.call(aten.t.default, (x,), phase=phase) if transposed else x
-            op, extra = (FP8_CAST_ROWWISE, ()) if rowwise else (FP8_CAST_TENSORWISE, ())
-            return _pair(b, op, (src, fmt, *extra), phase)
+            return _pair(b, FP8_CAST_ROWWISE if rowwise else FP8_CAST_TENSORWISE, (src, fmt), phase)
         # The rows wanted are the columns of a row-major tensor: cast it with the transpose.
         base = x if transposed else b.call(aten.t.default, (x,), phase=phase)
         return _pair(b, FP8_CAST_TRANSPOSE, (base, fmt, rowwise), phase)
 
 
 def _pair(b, op, args: tuple, phase: str) -> tuple[fx.Node, fx.Node]:
-    import operator
-
     out = b.call(op, args, phase=phase)
     return (b.call(operator.getitem, (out, 0), phase=phase), b.call(operator.getitem, (out, 1), phase=phase))
 
