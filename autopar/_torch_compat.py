@@ -213,3 +213,9 @@ def flattened_group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
     """The process group over several axes of `mesh` flattened into one (DeviceMesh._flatten, cached by the
     root mesh): a collective over it reduces over all those axes at once. Every rank must call it."""
     return mesh[axes]._flatten().get_group().group_name
+
+
+def scaled_mm_op():
+    """aten._scaled_mm (private): the FP8 GEMM, `(a, b, scale_a, scale_b, bias=None, scale_result=None,
+    out_dtype=None, use_fast_accum=False)`, a row-major and b column-major; runs on CUDA (sm89+) and on CPU."""
+    return torch.ops.aten._scaled_mm.default

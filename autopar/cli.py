@@ -99,8 +99,9 @@ def make_config(args: argparse.Namespace, links: dict | None, device: str):
     if args.time_limit is not None and args.time_limit <= 0:
         raise CliError(f"--time-limit must be positive, got {args.time_limit}")
     limit = {} if args.time_limit is None else {"solver_time_limit_s": args.time_limit}
-    return Config(device=device, links=links, memory_limit_gb=args.memory_gb, mixed_precision=getattr(args, "precision", None),
-                  **limit)
+    config = Config(device=device, links=links, memory_limit_gb=args.memory_gb,
+                    mixed_precision=getattr(args, "precision", None), **limit)
+    return config.with_(fp8=args.fp8) if getattr(args, "fp8", None) else config
 
 
 def _setup(args: argparse.Namespace, base: Any = None):
@@ -119,6 +120,8 @@ def _setup(args: argparse.Namespace, base: Any = None):
         config = recorded.with_(**{k: getattr(config, k) for k in ("device", "links", "memory_limit_gb",
                                                                     "solver_time_limit_s", "mixed_precision")
                                    if getattr(config, k) is not None})
+        if getattr(args, "fp8", None):
+            config = config.with_(fp8=args.fp8)
     if args.model:
         spec = model_spec(args)
     elif base is not None and base.model_spec is not None:
@@ -287,6 +290,8 @@ def _model_args(p: argparse.ArgumentParser, *, model_option: bool = False) -> No
     p.add_argument("--precision", choices=("bf16", "fp32"),
                    help="compute precision: bf16 (autocast, fp32 master weights) or fp32 (default: bf16 on GPU "
                         "devices, fp32 on cpu)")
+    p.add_argument("--fp8", choices=("off", "auto", "all"),
+                   help="FP8 matmuls: off (default), auto (chosen per matmul by cost) or all (every eligible one)")
 
 
 def build_parser() -> argparse.ArgumentParser:

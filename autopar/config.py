@@ -33,6 +33,79 @@ class SolverConfig:
             raise ValueError(f"SolverConfig(relative_gap={self.relative_gap}) must be at least 0 and below 1")
 
 
+# Module FQN patterns (fnmatch) whose matmuls never run in FP8 by default: embeddings, the output head (a top-level
+# `output` or any `lm_head`) and MoE routers/gates, where FP8's 3-bit mantissa costs accuracy a model feels most.
+DEFAULT_FP8_EXCLUDE = ("*embed*", "output", "lm_head", "*.lm_head", "*router*", "gate", "*.gate")
+FP8_MODES = ("off", "auto", "all")
+FP8_SCALINGS = ("tensorwise", "rowwise")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """FP8 matmuls (see docs/user_guide.md, "FP8 matmuls").
+
+    mode: "off" (default: every matmul in the compute dtype), "auto" (the integer program picks, per matmul and
+          per layout, bf16 or an FP8 variant by cost), "all" (every eligible matmul in FP8; for numerics tests).
+    exclude: module FQN patterns (fnmatch; a pattern may also name the block-relative form `layers.*.x`) whose
+             matmuls stay in the compute dtype.
+    scaling: the FP8 variants offered: "tensorwise" (one scale per operand; with "fp8_all_gather", also the
+             variant that gathers FSDP-sharded weights in FP8) and "rowwise" (one scale per row along the
+             contraction; bf16 output only).
+    fp8_all_gather: offer the tensorwise variant that casts an FSDP-sharded weight to FP8 before its all-gather
+                    (half the bytes of a bf16 gather; one scalar max all-reduce for the shared scale).
+    on_nonfinite: what a training step with an inf or nan gradient does when the program runs FP8 matmuls:
+                  "raise" (autopar.errors.Fp8NonFiniteError) or "zero" (the gradients are zeroed and
+                  ParallelModule.fp8_nonfinite_steps counts it; the optimizer step stays the caller's).
+    """
+
+    mode: str = "off"
+    exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    scaling: tuple[str, ...] = FP8_SCALINGS
+    fp8_all_gather: bool = True
+    on_nonfinite: str = "raise"
+
+    def __post_init__(self):
+        if self.mode not in FP8_MODES:
+            raise ValueError(f"Fp8Config(mode={self.mode!r}): use one of {', '.join(map(repr, FP8_MODES))}")
+        scaling = (self.scaling,) if isinstance(self.scaling, str) else tuple(self.scaling)
+        bad = [s for s in scaling if s not in FP8_SCALINGS]
+        if bad or not scaling:
+            raise ValueError(f"Fp8Config(scaling={self.scaling!r}): give one or more of "
+                             f"{', '.join(map(repr, FP8_SCALINGS))}")
+        if self.on_nonfinite not in ("raise", "zero"):
+            raise ValueError(f"Fp8Config(on_nonfinite={self.on_nonfinite!r}): use 'raise' or 'zero'")
+        exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude or ())
+        object.__setattr__(self, "scaling", scaling)
+        object.__setattr__(self, "exclude", exclude)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "exclude": list(self.exclude), "scaling": list(self.scaling),
+                "fp8_all_gather": self.fp8_all_gather, "on_nonfinite": self.on_nonfinite}
+
+    @classmethod
+    def from_json(cls, d: "dict | str | None") -> "Fp8Config":
+        if d is None or isinstance(d, str):
+            return cls(mode=d or "off")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known})
+
+
+def resolve_fp8(fp8: "str | Fp8Config | None") -> Fp8Config:
+    """Config.fp8 as an Fp8Config: a mode string ("off", "auto", "all") takes the default exclusions and
+    scalings."""
+    if isinstance(fp8, Fp8Config):
+        return fp8
+    if fp8 is None or isinstance(fp8, str):
+        if fp8 not in (None, *FP8_MODES):
+            raise ValueError(f"Config(fp8={fp8!r}): use 'off', 'auto', 'all' or an Fp8Config(...)")
+        return Fp8Config(mode=fp8 or "off")
+    raise ValueError(f"Config(fp8=...) takes 'off', 'auto', 'all' or an Fp8Config, got {type(fp8).__name__}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How to plan. Every field left as None is inferred from the mesh and the device.
@@ -59,6 +132,12 @@ class Config:
                      the planner may split its input over the batch and reduce the statistics across ranks
                      (global statistics, as SyncBatchNorm), shard its channels (exact locally) or replicate it,
                      whichever costs least; False keeps the fused kernel, which shards channels only.
+    fp8: "off" (default), "auto", "all", or an Fp8Config (exclusions, scalings, FP8 all-gather, inf/nan policy):
+         which matmuls (each linear's forward GEMM and its two backward GEMMs) run in FP8 through
+         torch._scaled_mm, E4M3 activations and weights, E5M2 gradients, dynamic scaling. "auto" lets the
+         integer program choose per matmul by cost on the local sharded shapes; "all" runs every eligible one in
+         FP8 (on a device without FP8, such as "cpu", priced at the bf16 rate, with a warning). FP8 changes
+         numerics, so it is opt-in; on FP8 hardware a plan made with "off" says what "auto" would gain.
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
@@ -73,13 +152,23 @@ class Config:
     mixed_precision: str | None = None
     template_layers: int | None = 2
     sync_batch_norm: bool = True
+    fp8: "str | Fp8Config" = "off"
     solver: SolverConfig = SolverConfig()
+
+    def __post_init__(self):
+        resolve_fp8(self.fp8)  # a bad value fails here, where the user wrote it
+
+    @property
+    def fp8_config(self) -> Fp8Config:
+        return resolve_fp8(self.fp8)
 
     def to_json(self) -> dict:
         """Plain JSON data (placements as layout strings such as "S(0),R"); `Config.from_json` reads it back."""
         from autopar.layout import fmt_layout
 
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "solver"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("solver", "fp8")}
+        fp8 = self.fp8_config
+        d["fp8"] = fp8.mode if fp8 == Fp8Config(mode=fp8.mode) else fp8.to_json()
         d["links"] = dict(self.links) if self.links else None
         d["pins"] = {k: fmt_layout(v) for k, v in self.pins.items()} if self.pins else None
         d["input_placements"] = ({str(k): fmt_layout(v) for k, v in self.input_placements.items()}
@@ -93,6 +182,8 @@ class Config:
 
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in known and k != "solver"}
+        if isinstance(kw.get("fp8"), dict):
+            kw["fp8"] = Fp8Config.from_json(kw["fp8"])
         if kw.get("pins"):
             kw["pins"] = {k: parse_layout(v) for k, v in kw["pins"].items()}
         if kw.get("input_placements"):

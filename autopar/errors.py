@@ -36,3 +36,7 @@ class PlanMismatchError(AutoparError):
 
 class SolverTimeout(AutoparError):
     """The planning time limit passed before any plan that fits the memory limit was found."""
+
+
+class Fp8NonFiniteError(AutoparError, FloatingPointError):
+    """A training step whose program runs FP8 matmuls produced an inf or nan gradient (Fp8Config.on_nonfinite)."""

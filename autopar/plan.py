@@ -25,7 +25,11 @@ FORMAT_VERSION = 1
 @dataclasses.dataclass
 class NodePlan:
     """The chosen strategy of one node: input layouts (one per tensor input; None for non-tensors), output
-    layouts, its compute time under that strategy, and the runner-up alternatives for explain()."""
+    layouts, its compute time under that strategy, and the runner-up alternatives for explain().
+
+    variant: how a matmul runs ("" as captured; "fp8_tensorwise", "fp8_rowwise", "fp8_tensorwise_ag", see
+    autopar.strategy). variant_costs: for a matmul that may run in FP8, seconds per step of each variant on the
+    chosen layout ({"bf16": ..., "fp8 tensorwise": ..., "fp8 rowwise": ...}), whichever the plan chose."""
 
     op: str
     ins: list[tuple[Placement, ...] | None]
@@ -33,20 +37,27 @@ class NodePlan:
     compute_s: float = 0.0
     count: float = 1.0
     alternatives: list[dict] = dataclasses.field(default_factory=list)
+    variant: str = ""
+    variant_costs: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.compute_s = _r(self.compute_s)  # as the file keeps it, so a loaded plan equals this one
 
     def to_json(self) -> dict:
-        return {"op": self.op, "ins": [fmt_layout(i) if i is not None else None for i in self.ins],
-                "outs": [fmt_layout(o) for o in self.outs], "compute_s": self.compute_s, "count": self.count,
-                "alternatives": self.alternatives}
+        d = {"op": self.op, "ins": [fmt_layout(i) if i is not None else None for i in self.ins],
+             "outs": [fmt_layout(o) for o in self.outs], "compute_s": self.compute_s, "count": self.count,
+             "alternatives": self.alternatives}
+        if self.variant:
+            d["variant"] = self.variant
+        if self.variant_costs:
+            d["variant_costs"] = self.variant_costs
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "NodePlan":
         return cls(d["op"], [parse_layout(i) if i is not None else None for i in d["ins"]],
                    [parse_layout(o) for o in d["outs"]], d.get("compute_s", 0.0), d.get("count", 1.0),
-                   d.get("alternatives", []))
+                   d.get("alternatives", []), d.get("variant", ""), d.get("variant_costs", {}))
 
 
 @dataclasses.dataclass
@@ -115,6 +126,9 @@ class Plan:
     # and communication streams as [stream, label, start_s, end_s].
     comm_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     timeline: list[list] = dataclasses.field(default_factory=list)
+    # FP8 matmuls (passes/fp8_variants.summary): {"mode", "fp8_gemms", "eligible_gemms" (runs per step),
+    # "compute_saved_s", and with FP8 off on FP8 hardware "auto_would_save_s"}; empty when no matmul may run in FP8.
+    fp8: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         # The solver's clock readings are timings, not part of what the plan decides.
@@ -156,6 +170,17 @@ class Plan:
             else:
                 out.extend(key.replace(f"{m[0]}.*.", f"{m[0]}.{i}.") for i in range(m[1]))
         return out
+
+    def fp8_modules(self) -> list[str]:
+        """FQNs of the modules whose matmuls run in FP8 (one per layer for a repeated block), sorted."""
+        from autopar.inspect.fmt import fp8_nodes, node_module
+
+        out = set()
+        for key in fp8_nodes(self):
+            mod = node_module(key)
+            m = next(((p, c) for p, c in self.blocks.items() if mod.startswith(f"{p}.*.")), None)
+            out.update([mod] if m is None else (mod.replace(f"{m[0]}.*.", f"{m[0]}.{i}.", 1) for i in range(m[1])))
+        return sorted(out)
 
     @property
     def techniques(self) -> frozenset[str]:
@@ -229,6 +254,8 @@ class Plan:
             "timings": dict(sorted(self.timings.items())) if timings else {},
             "comm_bytes": dict(sorted(self.comm_bytes.items())), "timeline": self.timeline,
         }
+        if self.fp8:
+            d["fp8"] = dict(sorted(self.fp8.items()))
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -257,7 +284,8 @@ class Plan:
                 memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
                 mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
                 batch_norms=d.get("batch_norms", {}),
-                timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []))
+                timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []),
+                fp8=d.get("fp8", {}))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e

@@ -5,6 +5,7 @@ import hashlib
 
 import torch.fx as fx
 
+from autopar.passes import fp8_variants
 from autopar.passes.context import PassContext
 from autopar.plan import NodePlan, Plan, Transition
 from autopar.redistribute import describe_steps, plan_steps
@@ -16,6 +17,7 @@ TIMELINE_EVENTS = 1500  # simulated events kept in the plan for its timeline plo
 def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cap = ctx.captured
     sim = ctx.simulation
+    fp8_variants.normalize_choice(ctx)
     alt = _alternatives(ctx)
     nodes = {}
     for key, strats in ctx.strategies.items():
@@ -23,7 +25,8 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         s = ctx.chosen(key)
         nodes[key] = NodePlan(op=node_op(key, node), ins=list(s.ins), outs=list(s.outs),
                               compute_s=ctx.compute_cost[key][ctx.choice[key]], count=ctx.node_count[key],
-                              alternatives=alt.get(key, []))
+                              alternatives=alt.get(key, []), variant=s.variant,
+                              variant_costs=fp8_variants.variant_costs(ctx, key, s, lambda b, k=key: _plain(ctx, k, b)))
     params = {ctx.key[node].split("/", 1)[1]: ctx.chosen(ctx.key[node]).outs[0] for node in cap.params.values()}
     inputs = [ctx.chosen(ctx.key[n]).outs[0] for n in cap.inputs]
     transitions = []
@@ -33,9 +36,10 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         src, dst = c.src_layouts[a], c.dst_layouts[b]
         if src == dst:
             continue
-        transitions.append(Transition(e.src, e.dst, e.arg, src, dst,
-                                      describe_steps(plan_steps(src, dst), ctx.mesh.axis_names), c.cost[a][b],
-                                      e.count, e.kind))
+        steps = describe_steps(plan_steps(src, dst), ctx.mesh.axis_names)
+        if c.dst_index is not None and fp8_variants.edge_class(ctx, e, ctx.chosen(e.dst)):
+            steps += " in fp8"  # the weight is cast to FP8 on its shard, then gathered
+        transitions.append(Transition(e.src, e.dst, e.arg, src, dst, steps, c.cost[a][b], e.count, e.kind))
     blocks = {b.prefix: b.count for b in cap.blocks}
     numel = {}
     for fqn, node in cap.params.items():
@@ -51,8 +55,18 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
         comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
-        batch_norms=_batch_norms(ctx))
+        batch_norms=_batch_norms(ctx), fp8=fp8_variants.summary(ctx, nodes))
     return gm
+
+
+def _plain(ctx: PassContext, key: str, strategy) -> float:
+    """Seconds per step of a node run as captured under `strategy`'s layouts (as estimate_costs prices it)."""
+    from autopar.cost import compute_time
+    from autopar.passes.estimate_costs import split_of
+    from autopar.rules.base import op_info
+
+    node = ctx.members[key][0]
+    return ctx.node_count[key] * compute_time(op_info(node), ctx.hw) / split_of(strategy, ctx.mesh.shape)
 
 
 def _batch_norms(ctx: PassContext) -> dict[str, str]:

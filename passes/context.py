@@ -48,6 +48,8 @@ class PassContext:
     # enumerate_strategies
     strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)
     unknown_ops: set[str] = dataclasses.field(default_factory=set)
+    # plan key -> autopar.fp8.sites.GemmSite: the matmuls that may run in FP8 (passes/fp8_variants.py)
+    fp8_sites: dict[str, Any] = dataclasses.field(default_factory=dict)
     # merge_followers: key -> (root key, root strategy index -> this key's strategy index)
     follow: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     # estimate_costs

@@ -14,6 +14,7 @@ from autopar import rules
 from autopar.errors import NoStrategyError
 from autopar.layout import divides, fmt_layout
 from autopar.passes.context import PassContext
+from autopar.passes.fp8_variants import add_variants
 from autopar.rules.base import op_info
 from autopar.strategy import NodeStrategy
 
@@ -40,6 +41,7 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                                   f"{dict(zip(ctx.mesh.axis_names, sizes))}: its shapes do not divide by the "
                                   "mesh axes or the pins conflict; change the mesh shape or the pins")
         ctx.strategies[key] = strats
+    add_variants(ctx)  # FP8 copies of eligible matmul strategies (passes/fp8_variants.py)
     if ctx.unknown_ops:
         warnings.warn("autopar has no sharding rule for these ops; they run replicated: "
                       + ", ".join(sorted(ctx.unknown_ops)), stacklevel=2)

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autopar.cost import collective_time, compute_time, link_spec, param_state_bytes, tensor_bytes
+from autopar.passes import fp8_variants
 from autopar.passes.context import PassContext
 from autopar.redistribute import plan_steps
 from autopar.rules.base import op_info
@@ -41,6 +42,7 @@ def estimate_costs_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         info = op_info(node)
         base = compute_time(info, ctx.hw)
         ctx.compute_cost[key] = [count * base / split_of(s, ctx.mesh.shape) for s in strats]
+    fp8_variants.price_variants(ctx)
     _memory(ctx)
     ctx.edge_cost = [_edge_cost(ctx, e) for e in ctx.edges]
     ctx.edge_groups = _shared_redistributions(ctx)
@@ -168,18 +170,23 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
     if e.kind == "loss":
         dst_layouts, dst_index = [tuple(R for _ in ctx.mesh.shape)], None
     else:
-        dst_layouts, dst_index = [], []
+        dst_layouts, dst_index, classes = [], [], []
         for s in ctx.strategies[e.dst]:
             # A gradient or a buffer's new value goes to where its parameter or buffer is stored.
             lay = s.outs[0] if e.kind in ("grad", "buffer") else s.ins[e.arg]
-            if lay not in dst_layouts:
+            cls = (lay, fp8_variants.edge_class(ctx, e, s))  # an FP8 all-gather weight: its own class
+            if cls not in classes:
+                classes.append(cls)
                 dst_layouts.append(lay)
-            dst_index.append(dst_layouts.index(lay))
+            dst_index.append(classes.index(cls))
     dtype = {"grad": ctx.precision.grad_dtype, "buffer": e.meta.dtype}.get(e.kind) or compute_dtype(e.meta.dtype, ctx)
     # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
     grad = e.kind == "grad"
     cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, grad) for b in dst_layouts]
              for a in src_layouts]
+    if e.kind != "loss" and any(c for _, c in classes):
+        cost = [[fp8_variants.weight_edge_cost(ctx, e, a, b, row[j]) if classes[j][1] else row[j]
+                 for j, b in enumerate(dst_layouts)] for a, row in zip(src_layouts, cost)]
     axis_cost = None
     if grad:
         axis_cost = {ax: [[0.0] * len(dst_layouts) for _ in src_layouts] for ax in range(len(ctx.mesh.shape))}

@@ -16,6 +16,7 @@ from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, step_costs
 from autopar.passes.memory_profile import memory_profile
 from autopar.rules.base import flat_tensor_args, op_info
+from autopar.strategy import FP8_TENSORWISE_AG
 
 
 @dataclasses.dataclass
@@ -111,14 +112,16 @@ def simulate(ctx: PassContext) -> Simulation:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         t_in = 0.0
         for i, a in enumerate(args):
-            # Codegen redistributes a value once per layout and phase, however many ops read it so.
-            moved_key = (a, tuple(strat.ins[i]), cap.phase[node])
+            dtype = compute_dtype(info.inputs[i].dtype, ctx)
+            if strat.variant == FP8_TENSORWISE_AG and getattr(ctx.fp8_sites.get(key), "weight", None) == i:
+                dtype = torch.float8_e4m3fn  # the weight is gathered as its FP8 cast (passes/fp8_variants.py)
+            # Codegen redistributes a value once per layout, dtype and phase, however many ops read it so.
+            moved_key = (a, tuple(strat.ins[i]), dtype, cap.phase[node])
             if moved_key not in moved:
                 u = producer(a)[0]
                 regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
-                moved[moved_key] = comm(info.inputs[i].shape, compute_dtype(info.inputs[i].dtype, ctx),
-                                        _out_layout(ctx, a), strat.ins[i], ready[a], scale * regather,
-                                        ctx.captured.names[node])
+                moved[moved_key] = comm(info.inputs[i].shape, dtype, _out_layout(ctx, a), strat.ins[i], ready[a],
+                                        scale * regather, ctx.captured.names[node])
             t_in = max(t_in, moved[moved_key])
         dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
         start = max(compute_free, t_in)

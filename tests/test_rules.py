@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from autopar.capture import capture
+from autopar.codegen.kernels import FP8_CAST_ROWWISE, FP8_CAST_TENSORWISE, FP8_CAST_TRANSPOSE
 from autopar.layout import P, R, S
 from autopar.rules import (AxisStrategy, axis_strategies, clear_missing, einsum_strategies, fmt_strategy,
                            missing_ops, registered_targets, registry)
@@ -370,6 +371,11 @@ CASES = (
          lambda: (_t(4, 4, 8, 6), _t(4, 2, 8, 6), _t(4, 2, 8, 6)), {"attn_mask": _t(1, 4, 8, 8)}),
         (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, lambda: _sdpa_backward_args(),
          {"attn_mask": _MASK}),
+        # autopar's FP8 casts (autopar/rules/fp8.py): outputs compared bit for bit
+        (FP8_CAST_ROWWISE, lambda: (_t(4, 6) * 100, "e4m3"), {}),
+        (FP8_CAST_TRANSPOSE, lambda: (_t(4, 6) * 100, "e5m2", True), {}),
+        (FP8_CAST_TRANSPOSE, lambda: (_t(4, 6) * 100, "e4m3", False, _t(positive=True) * 100), {}),
+        (FP8_CAST_TENSORWISE, lambda: (_t(4, 6) * 100, "e4m3", _t(positive=True) * 100), {}),
     ]
 )
 

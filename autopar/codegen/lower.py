@@ -17,6 +17,7 @@ from autopar.codegen.collectives import (BUCKET_META, GatherBucket, bucketed_all
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.codegen import rng
+from autopar.codegen.fp8 import Fp8Lowering
 from autopar.layout import fmt_layout, local_shape
 from autopar.plan import NodePlan, Plan
 
@@ -75,6 +76,7 @@ class _Lowering:
         self.bucket_of: dict[tuple, int] = {}  # (param, layout) -> index into buckets
         self.gathered: dict[tuple, fx.Node] = {}  # (param, layout) -> the param's local value in that layout
         self.param_cache: dict[tuple, fx.Node] = {}  # (local value, layout) -> it redistributed
+        self.fp8 = Fp8Lowering(self)
 
     # --- plan lookups ----------------------------------------------------------------------------------
     def node_plan(self, node: fx.Node) -> NodePlan:
@@ -218,9 +220,11 @@ class _Lowering:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
             tensor_nodes = [a for a in _flat_nodes((node.args, node.kwargs)) if _is_tensor(a)]
-            for a, dst in zip(tensor_nodes, self.node_plan(node).ins):
+            for slot, (a, dst) in enumerate(zip(tensor_nodes, self.node_plan(node).ins)):
                 if dst is None or self.layout_of(a) == tuple(dst):
                     continue
+                if self.node_plan(node).variant and self.fp8.gathers_weight(node, slot, a, dst):
+                    continue  # gathered in FP8 on its own (codegen/fp8.py)
                 base = self._param_view(a)
                 if base is None:
                     continue
@@ -304,6 +308,8 @@ class _Lowering:
                     return self.env[a]
                 # The same node may appear twice (x * x); each occurrence has its own slot.
                 i = _nth_slot(tensor_nodes, a, seen)
+                if np_.variant and self.fp8.gathers_weight(node, i, a, np_.ins[i]):
+                    return self.fp8.gather_weight(a, np_.ins[i], phase, f"the weight of {name}")
                 return self._arg(a, np_.ins[i], phase, name)
             if isinstance(a, (list, tuple)):
                 return type(a)(sub(x) for x in a)
@@ -312,6 +318,10 @@ class _Lowering:
         args = [sub(a) for a in node.args]
         kwargs = {k: sub(v) for k, v in node.kwargs.items()}
         site = _site(node, name, np_, tensor_nodes, self.rank.axis_sizes)
+        if np_.variant:  # an FP8 matmul: casts + torch._scaled_mm (codegen/fp8.py)
+            new = self.fp8.emit(node, args, phase)
+            _check_shapes(site, new)
+            return new
         target, args, kwargs = localize(site, args, kwargs)
         fake_kwargs = kwargs
         if self.rank.device != "cpu":

@@ -8,7 +8,9 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from autopar.inspect.fp8 import variant_rows
 from autopar.inspect.techniques import techniques_text
+from autopar.strategy import VARIANT_TEXT
 from autopar.inspect.fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
                                  fmt_time, instances, mesh_text, r6, render, shard_factor, signed)
 from autopar.layout import fmt_layout
@@ -54,6 +56,9 @@ def explain(plan: Any, name: str, width: int = 110) -> str:
     parts = _explain_param(plan, key) if kind == "param" else _explain_node(plan, key)
     node = plan.nodes.get(f"param/{key}" if kind == "param" else key)
     parts += _alternatives(plan, node)
+    module = key.rsplit(".", 1)[0] if kind == "param" else None
+    parts += variant_rows(plan, [key] if module is None else sorted(k for k in plan.nodes
+                                                                     if k.startswith(f"{module}/")))
     parts += _transitions(plan, f"param/{key}" if kind == "param" else key)
     return render(parts, width=width)
 
@@ -88,6 +93,8 @@ def _explain_node(plan: Any, key: str) -> list:
         g.add_row(f"output {i}", axis_layout(names, lay))
     per = f", {fmt_time(node.compute_s / node.count)} each" if node.count > 1 else ""
     g.add_row("compute", f"{fmt_time(node.compute_s)} per step{per}")
+    if node.variant:
+        g.add_row("runs as", VARIANT_TEXT.get(node.variant, node.variant))
     return [Text(f"node {key}", style="bold underline"), g]
 
 
@@ -180,7 +187,8 @@ def changed_params(a: Any, b: Any) -> list[str]:
 
 def changed_nodes(a: Any, b: Any) -> list[str]:
     return sorted(k for k in a.nodes.keys() & b.nodes.keys() if not k.startswith("param/")
-                  and (a.nodes[k].ins, a.nodes[k].outs) != (b.nodes[k].ins, b.nodes[k].outs))
+                  and (a.nodes[k].ins, a.nodes[k].outs, a.nodes[k].variant)
+                  != (b.nodes[k].ins, b.nodes[k].outs, b.nodes[k].variant))
 
 
 def _diff_params(a: Any, b: Any, la: str, lb: str) -> list:

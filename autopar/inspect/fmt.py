@@ -171,13 +171,9 @@ def group_transitions(plan: Any) -> list[dict]:
 
 
 def fp8_nodes(plan: Any) -> list[str]:
-    """Node keys whose chosen variant runs in FP8 (none until the planner chooses FP8 variants)."""
-    out = []
-    for key, n in plan.nodes.items():
-        variant = str(getattr(n, "variant", "") or "")
-        if "fp8" in variant.lower() or "fp8" in n.op.lower() or "scaled_mm" in n.op:
-            out.append(key)
-    return out
+    """Node keys whose chosen variant runs in FP8, sorted."""
+    return sorted(key for key, n in plan.nodes.items()
+                  if "fp8" in str(getattr(n, "variant", "") or "").lower() or "scaled_mm" in n.op)
 
 
 def pipeline_info(plan: Any) -> dict | None:

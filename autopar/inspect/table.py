@@ -13,6 +13,7 @@ from rich.text import Text
 from autopar.inspect.fmt import (axis_layout, block_of, comm_entries, fmt_bytes, fmt_count, fmt_time,
                                  group_params, group_transitions, instances, memory_items, mesh_text,
                                  param_weight, r6, render, shard_factor, top_nodes)
+from autopar.inspect.fp8 import fp8_line, fp8_table
 from autopar.inspect.techniques import techniques_text
 
 _MAX_COLLECTIVES = 12
@@ -31,6 +32,9 @@ def _header(plan: Any) -> Table:
                            f"optimizer {fmt_time(cb.get('optimizer_s'))})")
     g.add_row("peak memory", _memory_text(plan))
     g.add_row("techniques", techniques_text(plan))
+    fp8 = fp8_line(plan)
+    if fp8:
+        g.add_row("fp8", fp8)
     if plan.inputs:
         g.add_row("inputs", "; ".join(f"#{i} {axis_layout(plan.mesh.axis_names, lay)}"
                                       for i, lay in enumerate(plan.inputs)))
@@ -166,7 +170,9 @@ def top_ops_table(plan: Any, limit: int = 8) -> Table:
 def format_plan(plan: Any, width: int = 110, color: bool = False) -> str:
     """The whole plan as a readable text table: header, parameter placements by block, collectives, costs."""
     parts = [Text("autopar plan", style="bold underline"), _header(plan), Text(""), params_table(plan),
-             collectives_table(plan), top_ops_table(plan), breakdown_tables(plan)]
+             collectives_table(plan), top_ops_table(plan)]
+    parts += [t for t in (fp8_table(plan),) if t is not None]
+    parts.append(breakdown_tables(plan))
     return render(parts, width=width, color=color)
 
 
@@ -180,6 +186,8 @@ def format_summary(plan: Any) -> str:
              f"  techniques: {techniques_text(plan)}"]
     if "optimal" in plan.solver_stats:
         lines.append(f"  solver: {gap_text(plan)}")
+    if fp8_line(plan):
+        lines.append(f"  fp8: {fp8_line(plan)}")
     if plan.batch_norms:
         kinds: dict[str, int] = {}
         for how in plan.batch_norms.values():

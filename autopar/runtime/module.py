@@ -14,6 +14,7 @@ from autopar.codegen import functional
 from autopar.codegen.rng import step_seed
 from autopar.layout import fmt_layout
 from autopar.program import Program
+from autopar.runtime.fp8 import NonFiniteCheck
 from autopar.runtime.state import as_dtensor, local_shard, mesh_coords, mesh_device
 
 
@@ -34,6 +35,7 @@ class _Runner:
         self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
+        self.nonfinite = NonFiniteCheck.of(program)
         # Buffers the step updates (batch norm statistics): their positions among the forward's inputs.
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
@@ -76,6 +78,8 @@ class _TrainStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, *_outputs):
         grads = ctx.runner.backward(*ctx.saved_tensors, grad_loss.contiguous())
+        if ctx.runner.nonfinite is not None:
+            grads = ctx.runner.nonfinite.check(grads)
         grads = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(grads, ctx.params)]
         return (None, None, *grads, *([None] * ctx.n_rest))
 
@@ -197,6 +201,18 @@ class ParallelModule(nn.Module):
         if not prog.outputs:
             return loss
         return (loss, *(as_dtensor(o, self.mesh, spec.layout, spec.shape) for o, spec in zip(outputs, prog.outputs)))
+
+    @property
+    def fp8_nonfinite(self) -> bool:
+        """Whether the last backward of an FP8 program found an inf or nan gradient and zeroed the gradients
+        (Fp8Config(on_nonfinite="zero")): skip that optimizer step. `fp8_nonfinite_steps` counts such steps."""
+        check = getattr(self, "_runner", None) and self._runner.nonfinite
+        return bool(check and check.last)
+
+    @property
+    def fp8_nonfinite_steps(self) -> int:
+        check = getattr(self, "_runner", None) and self._runner.nonfinite
+        return check.steps if check else 0
 
     def manual_seed(self, seed: int, step: int = 0) -> None:
         """Restart the random stream dropout masks are drawn from at `seed`, as if the program had run `step`

@@ -261,6 +261,11 @@ def _compare(parts: list[torch.Tensor], p: Placement, want: torch.Tensor) -> str
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if want.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 casts: bit for bit
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return f"got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+        diff = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
+        return f"{diff} of {want.numel()} FP8 values differ" if diff else None
     finite = want[torch.isfinite(want)] if want.is_floating_point() else None
     scale = float(finite.abs().max()) if finite is not None and finite.numel() else 1.0
     try:
