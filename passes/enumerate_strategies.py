@@ -53,9 +53,13 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
     axis_strats, known = rules.axis_strategies(info)
     if not known:
         ctx.unknown_ops.add(str(node.target))
+    # On an axis of one rank every placement holds the whole value: only the replicated strategy is kept there
+    # (a shard or partial would name a collective that moves nothing).
+    replicated = [c for c in axis_strats if all(p == R for p in (*c.ins, *c.outs) if p is not None)]
+    per_axis = [replicated if k == 1 and replicated else axis_strats for k in sizes]
     out: list[NodeStrategy] = []
     seen = set()
-    for combo in itertools.product(axis_strats, repeat=len(sizes)):
+    for combo in itertools.product(*per_axis):
         ins = tuple(tuple(c.ins[i] for c in combo) for i in range(len(info.inputs)))
         outs = tuple(tuple(c.outs[j] for c in combo) for j in range(len(info.outputs)))
         if not all(divides(m.shape, lay, sizes) for m, lay in zip(info.inputs, ins)):
@@ -101,7 +105,7 @@ def layouts_for(shape: tuple[int, ...], sizes, allow_nested: bool) -> list[tuple
     """Every layout of a tensor: R or S(d) per axis, evenly dividing; nested (same dim on two axes) optional."""
     per_axis = [R] + [Shard(d) for d in range(len(shape)) if shape[d] > 1]
     result = []
-    for combo in itertools.product(per_axis, repeat=len(sizes)):
+    for combo in itertools.product(*[per_axis if k > 1 else [R] for k in sizes]):
         dims = [p.dim for p in combo if isinstance(p, Shard)]
         if not allow_nested and len(dims) != len(set(dims)):
             continue
@@ -135,10 +139,16 @@ def _check_layout(lay, shape, ctx: PassContext, what: str) -> tuple:
     if len(lay) != len(ctx.mesh.shape):
         raise ValueError(f"{what}: {len(lay)} placements given, the mesh has {len(ctx.mesh.shape)} axes "
                          f"{ctx.mesh.axis_names}")
+    lay = _one_rank_replicated(lay, ctx.mesh.shape)
     if not divides(shape, lay, ctx.mesh.shape):
         raise ValueError(f"{what}: layout {fmt_layout(lay)} does not divide shape {list(shape)} evenly on mesh "
                          f"{dict(zip(ctx.mesh.axis_names, ctx.mesh.shape))}")
     return lay
+
+
+def _one_rank_replicated(lay: tuple, sizes) -> tuple:
+    """`lay` with the placement on every axis of one rank read as Replicate (the same local value)."""
+    return tuple(R if k == 1 else p for p, k in zip(lay, sizes))
 
 
 def _param_pins(ctx: PassContext) -> dict[str, tuple]:
@@ -148,7 +158,7 @@ def _param_pins(ctx: PassContext) -> dict[str, tuple]:
 def _apply_act_pins(ctx: PassContext, key: str, strats: list[NodeStrategy]) -> list[NodeStrategy]:
     for pattern, lay in (ctx.config.pins or {}).items():
         if pattern.startswith("act:") and fnmatch.fnmatch(key, pattern[4:]):
-            lay = tuple(lay)
+            lay = _one_rank_replicated(tuple(lay), ctx.mesh.shape)
             kept = [s for s in strats if s.outs and s.outs[0] == lay]
             if not kept:
                 raise ValueError(f"pin {pattern!r}: no legal strategy of {key} outputs {fmt_layout(lay)}; "
