@@ -187,6 +187,13 @@ def tree_flatten(tree: Any) -> tuple[list, Any]:
     return pytree.tree_flatten(tree)
 
 
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    """The inverse of tree_flatten."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_unflatten(leaves, spec)
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without an autograd node (inside an autograd.Function)."""
     return t._local_tensor  # type: ignore[attr-defined]

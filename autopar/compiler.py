@@ -46,13 +46,19 @@ class Compilation:
 
 def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
                  loss_fn: Callable | None, config: Config | None, *, template_layers: int | None,
-                 progress: Any = None) -> Compilation:
+                 progress: Any = None, microbatches: int | None = None) -> Compilation:
     """Capture the model's step on `mesh` and key its nodes (the first pass), ready to plan or to check a plan
-    against."""
+    against. With `microbatches` m > 1 (default: Config.microbatches when it is a number, else 1) the example
+    inputs are the global batch and the graph is traced on one microbatch of it (every tensor input's dim 0
+    divided by m)."""
+    from autopar.microbatch import first_microbatch
     from autopar.passes import annotate_shapes_pass
     from autopar.passes.context import PassContext
 
     config = config or Config()
+    if microbatches is None:
+        microbatches = config.microbatches if isinstance(config.microbatches, int) else 1
+    example_inputs, example_kwargs = first_microbatch(tuple(example_inputs), example_kwargs, microbatches)
     spec = mesh_spec(mesh, dict(config.links) if config.links else None, config.device)
     device = config.device or ("cpu" if spec.device_type == "cpu" else "h100")
     hw = get_hardware(device)
@@ -63,8 +69,13 @@ def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
         progress.update("capturing the joint forward+backward graph")
     cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
                   autocast_dtype=precision.autocast_dtype, batch_norm_sums=config.sync_batch_norm)
+    if microbatches > 1 and cap.batch_norms:
+        raise ValueError(f"batch norm in training mode ({cap.batch_norms[0]}) would compute its statistics over each "
+                         f"microbatch, not over the global batch, under microbatches={microbatches}: use "
+                         "Config(microbatches=1), put the batch norms in eval mode (running statistics), or use "
+                         "GroupNorm / LayerNorm")
     ctx = PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
-                      progress=progress)
+                      progress=progress, microbatches=microbatches)
     annotate_shapes_pass(cap.gm, ctx)
     return Compilation(ctx)
 
@@ -95,6 +106,9 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
 
     config = config or Config()
     layers = config.template_layers if template_layers == "config" else template_layers
+    if config.microbatches == "auto":
+        return _auto_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config, layers, passes,
+                                  progress)
     comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=layers,
                         progress=progress)
     truncated = any(b.captured < b.count for b in comp.captured.blocks)
@@ -107,6 +121,30 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
                             progress=progress)
     solve(comp, passes)
     return comp
+
+
+def _auto_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config: Config, layers, passes,
+                       progress) -> Compilation:
+    """Config(microbatches="auto") without a pipeline: the fewest microbatches (a divisor of the batch) whose
+    plan fits the memory limit. More microbatches never make a step faster under the cost model (the same
+    work in smaller pieces, parameter gathers repeated per microbatch), so the first that fits is the choice."""
+    from autopar.errors import InfeasibleMemoryError
+    from autopar.microbatch import batch_rows, divisors
+
+    rows = batch_rows(tuple(example_inputs), dict(example_kwargs or {})) or 1
+    error: InfeasibleMemoryError | None = None
+    for m in divisors(rows):
+        try:
+            comp = compile_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                                config=config.with_(microbatches=m), template_layers=layers, passes=passes,
+                                progress=progress)
+        except InfeasibleMemoryError as e:
+            error = e
+            continue
+        comp.plan.config = config.to_json()  # the plan records what was asked ("auto") and what it chose
+        return comp
+    assert error is not None
+    raise InfeasibleMemoryError(f"{error} (tried microbatches {', '.join(map(str, divisors(rows)))})") from error
 
 
 def fingerprint(comp: Compilation) -> str:

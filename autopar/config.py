@@ -51,6 +51,11 @@ class Config:
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
+    microbatches: N splits every tensor input along dim 0 into N microbatches of equal size: the step runs the
+                  forward and backward of each in turn (`pm.step(...)`), accumulating gradients locally, and runs
+                  the gradient collectives once per step; activations are one microbatch's. "auto": the fewest
+                  microbatches (a divisor of the batch) with which a plan fits the memory limit. None (default): 1.
+                  The plan records it (`plan.microbatches`).
     """
 
     device: str | None = None
@@ -62,7 +67,14 @@ class Config:
     mixed_precision: str | None = None
     template_layers: int | None = 2
     sync_batch_norm: bool = True
+    microbatches: int | str | None = None
     solver: SolverConfig = SolverConfig()
+
+    def __post_init__(self):
+        m = self.microbatches
+        if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
+            raise ValueError(f"Config(microbatches={m!r}): use a positive int (the number of microbatches each "
+                             "global batch is split into along dim 0), 'auto', or None (one microbatch)")
 
     def to_json(self) -> dict:
         """Plain JSON data (placements as layout strings such as "S(0),R"); `Config.from_json` reads it back."""

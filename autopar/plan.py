@@ -115,6 +115,9 @@ class Plan:
     # and communication streams as [stream, label, start_s, end_s].
     comm_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     timeline: list[list] = dataclasses.field(default_factory=list)
+    # Microbatches per step (Config.microbatches): each global batch is split along dim 0 into this many; the
+    # graph was captured at one microbatch's shapes and the figures are for the whole step.
+    microbatches: int = 1
 
     def __post_init__(self):
         # The solver's clock readings are timings, not part of what the plan decides.
@@ -228,6 +231,7 @@ class Plan:
             "model": self.model, "config": self.config, "batch_norms": dict(sorted(self.batch_norms.items())),
             "timings": dict(sorted(self.timings.items())) if timings else {},
             "comm_bytes": dict(sorted(self.comm_bytes.items())), "timeline": self.timeline,
+            "microbatches": self.microbatches,
         }
         return json.dumps(d, indent=1, sort_keys=False)
 
@@ -257,7 +261,8 @@ class Plan:
                 memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
                 mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
                 batch_norms=d.get("batch_norms", {}),
-                timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []))
+                timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []),
+                microbatches=int(d.get("microbatches", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e

@@ -29,6 +29,9 @@ def check_plan(plan: Plan, comp: Compilation) -> None:
         raise PlanMismatchError(f"the plan was made for mixed_precision={plan.mixed_precision!r}, this run resolves "
                                 f"Config(mixed_precision={ctx.config.mixed_precision!r}) on a {mesh.device_type} mesh "
                                 f"to {here!r}; pass Config(mixed_precision={plan.mixed_precision!r}) or re-plan")
+    if plan.microbatches != ctx.microbatches:
+        raise PlanMismatchError(f"the plan splits each batch into {plan.microbatches} microbatches, this capture "
+                                f"traced {ctx.microbatches}; capture with microbatches={plan.microbatches}")
     if plan.fingerprint == fingerprint(ctx):
         return
     cap = ctx.captured

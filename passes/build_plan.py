@@ -51,7 +51,7 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
         comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
-        batch_norms=_batch_norms(ctx))
+        batch_norms=_batch_norms(ctx), microbatches=ctx.microbatches)
     return gm
 
 

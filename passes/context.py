@@ -35,6 +35,9 @@ class PassContext:
     memory_limit: int
     progress: Any = None
     min_inner: int = 1
+    # Microbatches per step: the graph is one microbatch's; compute and activation collectives run this many
+    # times per step, gradient collectives and the optimizer once (Config.microbatches).
+    microbatches: int = 1
     # annotate_shapes
     key: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     members: dict[str, list[fx.Node]] = dataclasses.field(default_factory=dict)

@@ -59,6 +59,8 @@ def simulate(ctx: PassContext) -> Simulation:
         grad_nodes[u].append((fqn, idx))
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
+    m = ctx.microbatches
+    deferred: list[tuple] = []
 
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
@@ -113,10 +115,23 @@ def simulate(ctx: PassContext) -> Simulation:
             pkey = ctx.key[cap.params[fqn]]
             meta = node.meta["val"]
             val = meta[idx] if isinstance(meta, (list, tuple)) else meta
-            comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0],
-                 compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
+            grad = (tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0])
+            if m > 1:  # reduced once per step, after the last microbatch (codegen's grad_sync graph)
+                deferred.append((grad, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}"))
+                continue
+            comm(*grad, compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
     opt = _optimizer_time(ctx)
     step = max([compute_free] + axis_free) + opt
+    if m > 1:
+        # m microbatches back to back, then the gradient reductions, then the optimizer step.
+        span = step - opt
+        total_compute, total_comm = m * total_compute, m * total_comm
+        for table in (comm_axis, comm_bytes, node_time):
+            for k in table:
+                table[k] *= m
+        for grad, scale, label in deferred:
+            comm(*grad, span, scale, label, bucketed=True)
+        step = (m - 1) * span + max([span] + axis_free) + opt
     memory, peak = _memory(ctx)
     top = sorted(node_time.items(), key=lambda kv: -kv[1])[:15]
     return Simulation(step_time=step, compute_time=total_compute, comm_time=total_comm,
@@ -157,11 +172,30 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     grad_b = trained * torch.tensor([], dtype=p.grad_dtype).element_size()
     opt_b = trained * p.optimizer_state_bytes_per_param
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
-    static = param_b + grad_b + opt_b + master
+    accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
+    static = param_b + grad_b + opt_b + master + accumulation
     peak = _activation_peak(ctx)
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
+    if accumulation:
+        mem["grad_accumulation"] = int(accumulation)
     return mem, int(static + peak)
+
+
+def _accumulation_bytes(ctx: PassContext) -> float:
+    """Gradients accumulate over microbatches in the layout they are produced in and are reduced once per step
+    into the gradient buffers (counted under "grads"), which are empty until then (zero_grad sets them to
+    None): what a produced layout holds beyond its parameter's (a full-size Partial gradient of an FSDP shard)
+    is the extra."""
+    total = 0.0
+    for fqn, g in ctx.captured.grads.items():
+        u, idx = producer(g)
+        pnode = ctx.captured.params[fqn]
+        lay, plain = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
+        shape, dtype = tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype
+        extra = local_bytes(shape, dtype, lay, ctx.mesh.shape) - local_bytes(shape, dtype, plain, ctx.mesh.shape)
+        total += max(0, extra) * _scale(ctx, pnode)[1]
+    return total
 
 
 def _owners(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:

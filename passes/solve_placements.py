@@ -19,11 +19,14 @@ def _root(ctx: PassContext, key: str) -> tuple[str, list[int] | None]:
 def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
-    compute = {k: list(ctx.compute_cost[k]) for k in n}
+    # With microbatches, ops and their collectives run once per microbatch; a parameter's optimizer step and
+    # its gradient's reduction once per step.
+    m = ctx.microbatches
+    compute = {k: [c if k.startswith("param/") else m * c for c in ctx.compute_cost[k]] for k in n}
     memory: dict[str, list[float]] = {k: list(ctx.memory_cost.get(k, [0.0] * n[k])) for k in n}
     for key, (root, idx) in ctx.follow.items():
         for i, j in enumerate(idx):
-            compute[root][i] += ctx.compute_cost[key][j]
+            compute[root][i] += m * ctx.compute_cost[key][j]
             if key in ctx.memory_cost:
                 memory[root][i] += ctx.memory_cost[key][j]
     edges = []
@@ -32,10 +35,12 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     # layers prices them at 1/(L+1) of their time (in full without repeated layers). Parameter gathers stay
     # priced in full: they are prefetched one layer ahead only, and they share each axis's link with the
     # blocking activation collectives.
+    # Several microbatches reduce gradients once, after the last backward: nothing left to hide them behind.
     layers = sum(b.count for b in ctx.captured.blocks)
-    exposed = 1.0 / (layers + 1)
+    exposed = 1.0 / (layers + 1) if m == 1 else 1.0
     for e, c in zip(ctx.edges, ctx.edge_cost):
-        cost = [[exposed * v for v in row] for row in c.cost] if e.kind == "grad" else c.cost
+        scale = exposed if e.kind == "grad" else m
+        cost = [[scale * v for v in row] for row in c.cost] if scale != 1 else c.cost
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
         if e.kind == "loss":

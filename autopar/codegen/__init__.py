@@ -36,12 +36,16 @@ def generate(plan: Plan, cap: Captured, rank: RankSpec) -> Program:
                           tuple(int(s) for s in local.meta["val"].shape), n.meta["val"].dtype,
                           tuple(_layout_of(plan, cap, n)))
                for n, local in zip(cap.outputs, out_locals)]
+    sync = joint.grad_sync
     return Program(plan=plan, rank=rank, forward=parts.forward, backward=parts.backward, params=params,
                    buffers=buffers, inputs=inputs, saved=parts.saved, recomputed=parts.recomputed,
                    collectives=[*program_collectives(parts.forward, "forward", rank),
-                                *program_collectives(parts.backward, "backward", rank)],
+                                *program_collectives(parts.backward, "backward", rank),
+                                *(program_collectives(sync, "grad_sync", rank) if sync is not None else [])],
                    buffer_updates=list(joint.updates), outputs=outputs,
-                   takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint)
+                   takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint,
+                   microbatches=plan.microbatches, grad_sync=sync, synced=list(joint.synced),
+                   loss_reduction=cap.loss_reduction, returns_count=joint.count)
 
 
 def functional(program: Program) -> Program:
@@ -50,8 +54,10 @@ def functional(program: Program) -> Program:
     step seed as a 0-d int64 tensor."""
     from autopar.codegen import schedule
 
+    sync = schedule.functional(program.grad_sync) if program.grad_sync is not None else None
     return dataclasses.replace(program, forward=schedule.functional(program.forward),
-                               backward=schedule.functional(program.backward), seed_as_tensor=program.takes_seed)
+                               backward=schedule.functional(program.backward), grad_sync=sync,
+                               seed_as_tensor=program.takes_seed)
 
 
 def _layout_of(plan: Plan, cap: Captured, node: fx.Node) -> tuple:

@@ -50,6 +50,13 @@ class LocalJoint:
     recompute: set[fx.Node] = dataclasses.field(default_factory=set)
     updates: list[str] = dataclasses.field(default_factory=list)  # buffers the step updates, in output order
     n_outputs: int = 0  # outputs besides the loss (returned in their producers' layouts), last in the output
+    # Several microbatches (plan.microbatches > 1): the gradients leave in the layouts they are produced in, to
+    # be accumulated over the microbatches, and `grad_sync` takes the accumulated ones (of the parameters in
+    # `synced`, in that order) to their parameters' layouts, once per step. `count`: the output ends with the
+    # loss's count, replicated (loss_reduction "count"), which weighs the microbatches.
+    grad_sync: fx.GraphModule | None = None
+    synced: list[str] = dataclasses.field(default_factory=list)
+    count: bool = False
 
     @property
     def code(self) -> str:
@@ -75,6 +82,7 @@ class _Lowering:
         self.bucket_of: dict[tuple, int] = {}  # (param, layout) -> index into buckets
         self.gathered: dict[tuple, fx.Node] = {}  # (param, layout) -> the param's local value in that layout
         self.param_cache: dict[tuple, fx.Node] = {}  # (local value, layout) -> it redistributed
+        self.deferred: list[str] = []  # parameters whose gradient reductions grad_sync runs (microbatches)
 
     # --- plan lookups ----------------------------------------------------------------------------------
     def node_plan(self, node: fx.Node) -> NodePlan:
@@ -131,8 +139,13 @@ class _Lowering:
                 self._output()
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
-        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
-                          self.b.recompute, list(cap.mutations), len(cap.outputs))
+        joint = LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
+                           self.b.recompute, list(cap.mutations), len(cap.outputs))
+        if self.deferred:
+            joint.synced = list(self.deferred)
+            joint.grad_sync = self._grad_sync_graph()
+            joint.count = cap.loss_reduction == "count"
+        return joint
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
@@ -341,24 +354,45 @@ class _Lowering:
 
     def _output(self) -> None:
         cap = self.cap
-        loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
+        replicated = tuple(Replicate() for _ in self.rank.axis_sizes)
+        loss = self._arg(cap.loss, replicated, "fwd", "the loss")
         before = set(self.b.graph.nodes)
-        grads: dict[str, fx.Node | None] = {}
+        local = {fqn: self.env[g] for fqn, g in cap.grads.items() if g is not None}
+        if self.plan.microbatches > 1:
+            # Accumulated over the microbatches where they are produced; reduced once per step (grad_sync).
+            grads = {fqn: local.get(fqn) for fqn in cap.params}
+            self.deferred = [fqn for fqn in cap.params if fqn in local]
+        else:
+            grads = {fqn: None for fqn in cap.params}
+            grads.update(self._sync_grads(local))
+        for n in self.b.graph.nodes:
+            if n not in before:
+                n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
+        updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
+                   for fqn, v in cap.mutations.items()]
+        count = []
+        if self.plan.microbatches > 1 and cap.loss_reduction == "count":
+            count = [self._arg(cap.loss_count, replicated, "fwd", "the loss count")]
+        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs),
+                       *count))
+
+    def _sync_grads(self, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
+        """Each gradient (`local`: fqn -> its local value in the layout it is produced in) brought to its
+        parameter's layout. Data-parallel (all-reduce, over one axis or several) and FSDP (reduce-scatter)
+        gradients go in buckets, as DDP and FSDP do, not one collective each."""
+        cap = self.cap
+        grads: dict[str, fx.Node] = {}
         buckets: dict[tuple, list[tuple[str, fx.Node, int]]] = {}
-        for fqn, pnode in cap.params.items():
-            g = cap.grads.get(fqn)
-            if g is None:
-                grads[fqn] = None
-                continue
+        for fqn, value in local.items():
+            g, pnode = cap.grads[fqn], cap.params[fqn]
             steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
             axes = _bucketed(steps)
             if axes is not None:
-                # Data-parallel (all-reduce, over one axis or several) and FSDP (reduce-scatter) gradients go
-                # in buckets, as DDP and FSDP do, not one collective each.
-                key = (steps[0].kind, axes, self.env[g].meta["val"].dtype)
-                buckets.setdefault(key, []).append((fqn, self.env[g], steps[0].dim))
+                key = (steps[0].kind, axes, value.meta["val"].dtype)
+                buckets.setdefault(key, []).append((fqn, value, steps[0].dim))
             else:
-                grads[fqn] = self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}")
+                grads[fqn] = self._redistribute(value, self.layout_of(g), self.layout_of(pnode), "bwd",
+                                                f"the gradient of {fqn}")
         for (kind, axis, _), items in buckets.items():
             # Gradients appear last layer first: fill buckets in that order so the first can start early.
             if kind == "all_reduce":
@@ -366,12 +400,21 @@ class _Lowering:
                                                  BUCKET_BYTES, FIRST_BUCKET_BYTES))
             else:
                 grads.update(bucketed_reduce_scatter(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
-        for n in self.b.graph.nodes:
-            if n not in before:
-                n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
-        updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
-                   for fqn, v in cap.mutations.items()]
-        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs)))
+        return grads
+
+    def _grad_sync_graph(self) -> fx.GraphModule:
+        """(*accumulated gradients of `self.deferred`, in their produced layouts) -> (each in its parameter's
+        layout): the gradient collectives of a step of several microbatches, run once after the last one."""
+        self.b, self.cache = Builder(), {}
+        local = {}
+        for fqn in self.deferred:
+            g = self.cap.grads[fqn]
+            meta = self.env[g].meta["val"]
+            name = "grad_" + re.sub(r"[^0-9a-zA-Z_]", "_", fqn)
+            local[fqn] = self.b.placeholder(name, tuple(meta.shape), meta.dtype)
+        synced = self._sync_grads(local)
+        self.b.output(tuple(synced[fqn] for fqn in self.deferred))
+        return self.b.module()
 
 
 def _bucketed(steps) -> tuple[int, ...] | int | None:

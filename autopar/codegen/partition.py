@@ -44,7 +44,7 @@ def split(joint: LocalJoint) -> Split:
     tangents = set(joint.tangents)
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
-    n_tail = len(joint.updates) + joint.n_outputs
+    n_tail = len(joint.updates) + joint.n_outputs + int(joint.count)
     loss, grads, tail = outs[0], outs[1:len(outs) - n_tail], outs[len(outs) - n_tail:]
 
     recomputable: set[fx.Node] = set()
@@ -122,8 +122,8 @@ def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
 
 
 def _forward_graph(joint: LocalJoint, loss: fx.Node, tail: list[fx.Node], saved: list[fx.Node]) -> fx.GraphModule:
-    """(params, buffers, inputs[, seed]) -> (loss, *tail, *saved): `tail` holds the buffers' new values and the
-    other outputs."""
+    """(params, buffers, inputs[, seed]) -> (loss, *tail, *saved): `tail` holds the buffers' new values, the
+    other outputs and, with several microbatches, the loss's count."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     seed = [joint.rng_seed] if joint.rng_seed is not None else []

@@ -25,12 +25,12 @@ class _Runner:
     each on its first call, from their functional form (autopar.codegen.functional)."""
 
     def __init__(self, program: Program, device_type: str, compile: bool = False):
+        graphs = (program.forward, program.backward, program.grad_sync)
         if compile:
             program = functional(program)
-            self._graphs = tuple(torch.compile(g, dynamic=False, fullgraph=True)
-                                 for g in (program.forward, program.backward))
-        else:
-            self._graphs = program.forward, program.backward
+            graphs = (program.forward, program.backward, program.grad_sync)
+            graphs = tuple(g if g is None else torch.compile(g, dynamic=False, fullgraph=True) for g in graphs)
+        self._graphs = graphs
         self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
@@ -38,21 +38,28 @@ class _Runner:
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor | None, tuple]:
         """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
-        module does), and returns the loss, the other outputs (local pieces) and the tensors saved for
-        backward."""
+        module does), and returns the loss, the other outputs (local pieces), the loss's count (programs of
+        several microbatches whose loss is a ratio; else None) and the tensors saved for backward."""
         with torch.autocast(self._device_type, enabled=False):
             out = self._graphs[0](*args)
         k, m = len(self._updated), len(self.program.outputs)
+        c = int(self.program.returns_count)
         with torch.no_grad():
             for i, new in zip(self._updated, out[1:1 + k]):
                 args[i].copy_(new)
-        return out[0], tuple(out[1 + k:1 + k + m]), out[1 + k + m:]
+        count = out[1 + k + m] if c else None
+        return out[0], tuple(out[1 + k:1 + k + m]), count, out[1 + k + m + c:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
             return self._graphs[1](*args)
+
+    def grad_sync(self, *grads: torch.Tensor):
+        """The gradient collectives of a step of several microbatches (Program.grad_sync)."""
+        with torch.autocast(self._device_type, enabled=False):
+            return self._graphs[2](*grads)
 
 
 class _TrainStep(torch.autograd.Function):
@@ -65,7 +72,7 @@ class _TrainStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         params = flat[:n_params]
-        loss, outputs, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
+        loss, outputs, _, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
@@ -181,12 +188,18 @@ class ParallelModule(nn.Module):
         prog = self._planned(args, kwargs)
         if not self.training:
             return self._evaluate(args, kwargs)
+        if prog.microbatches > 1:
+            raise ValueError(f"the plan splits each batch into {prog.microbatches} microbatches "
+                             f"(plan.microbatches): train with `loss = pm.step(*inputs, **kwargs)`, which runs "
+                             "the forward and backward of every microbatch, reduces the gradients once and returns "
+                             "the batch's loss; `loss = pm(...); loss.backward()` needs a plan of one microbatch "
+                             "(Config(microbatches=1)). Eval mode (pm.eval()) runs pm(...) as usual")
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
-            loss, outputs, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
+            loss, outputs, _, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
                                                     *seed)
         else:
             loss, *outputs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
@@ -245,7 +258,7 @@ class ParallelModule(nn.Module):
         params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         with torch.no_grad():
-            loss, outputs, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
+            loss, outputs, _, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
         return self._result(prog, loss, outputs)
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -257,8 +270,17 @@ class ParallelModule(nn.Module):
         return local_shard(x, layout, self._coords, self._sizes).to(self._device).contiguous()
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Forward and backward (grads accumulate into `.grad`); returns the detached loss."""
-        loss = self(*args, **kwargs)
+        """One training step's forward and backward over the global batch: gradients accumulate into `.grad`
+        (as `loss.backward()` does; the optimizer step stays the caller's) and the detached loss of the whole
+        batch is returned on every rank. With several microbatches (plan.microbatches) it runs each one's
+        forward and backward in turn and reduces the gradients once (autopar/runtime/accumulate.py)."""
+        prog = self._planned(args, kwargs)
+        if prog.microbatches > 1 and self.training:
+            from autopar.runtime.accumulate import step_microbatches
+
+            return step_microbatches(self, prog, self._runner, args, kwargs)
+        out = self(*args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         return loss.detach()
 
