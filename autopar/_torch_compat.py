@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -211,3 +212,19 @@ def flattened_group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
     """The process group over several axes of `mesh` flattened into one (DeviceMesh._flatten, cached by the
     root mesh): a collective over it reduces over all those axes at once. Every rank must call it."""
     return mesh[axes]._flatten().get_group().group_name
+
+
+@functools.lru_cache(maxsize=256)
+def pipeline_schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[tuple, ...]:
+    """Per pipeline rank, the compute actions (stage index, "F" | "B" | "I" | "W", microbatch index) in the order
+    the torch.distributed.pipelining schedule class `schedule` (e.g. "ScheduleInterleaved1F1B") runs them, built
+    from the class itself with a stand-in stage (no process group), as torch's schedule visualizer does; the
+    idle slots the class pads its order with are left out."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    cls = getattr(schedules, schedule)
+    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    ops = get_schedule_ops(cls, pp, microbatches, stages_per_rank if multi else None)
+    return tuple(tuple((int(a.stage_index), a.computation_type.value, int(a.microbatch_index)) for a in rank
+                       if a is not None and a.is_compute_op) for rank in ops)
