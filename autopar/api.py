@@ -148,11 +148,13 @@ class _Training:
         return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank)
 
     def _make(self, comp, args: tuple, kwargs: dict) -> Callable[[], Plan]:
-        """How rank 0 plans: on the capture every rank made, or, under Config(microbatches="auto"), by trying
-        microbatch counts until a plan fits (autopar.compiler.compile_plan)."""
+        """How rank 0 plans: on the capture every rank made, or, when the planner chooses the microbatch count
+        (Config(microbatches="auto"), or a pipeline without a count), by planning each count it weighs
+        (autopar.compiler.compile_plan)."""
         from autopar.compiler import compile_plan, solve
 
-        if self.config.microbatches != "auto":
+        if isinstance(self.config.microbatches, int) or (self.config.microbatches is None
+                                                         and comp.ctx.pipeline_axis is None):
             return lambda: solve(comp)
         return lambda: compile_plan(self.model, self.mesh, args, example_kwargs=kwargs, loss_fn=self.loss_fn,
                                     config=self.config, template_layers=None).plan

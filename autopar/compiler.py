@@ -75,7 +75,7 @@ def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
                          "Config(microbatches=1), put the batch norms in eval mode (running statistics), or use "
                          "GroupNorm / LayerNorm")
     ctx = PassContext(captured=cap, mesh=spec, config=config, hw=hw, precision=precision, memory_limit=limit,
-                      progress=progress, microbatches=microbatches)
+                      progress=progress, microbatches=microbatches, pipeline_axis=spec.pipeline_axis)
     annotate_shapes_pass(cap.gm, ctx)
     return Compilation(ctx)
 
@@ -106,6 +106,10 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
 
     config = config or Config()
     layers = config.template_layers if template_layers == "config" else template_layers
+    pp = _pipeline_size(mesh, config)
+    if pp > 1 and not isinstance(config.microbatches, int):
+        return _pipeline_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config, layers, passes,
+                                      progress, pp)
     if config.microbatches == "auto":
         return _auto_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config, layers, passes,
                                   progress)
@@ -121,6 +125,47 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
                             progress=progress)
     solve(comp, passes)
     return comp
+
+
+def _pipeline_size(mesh: DeviceMesh, config: Config) -> int:
+    from autopar.mesh import pipeline_axis
+
+    axis = pipeline_axis(mesh.mesh_dim_names or ())
+    return 1 if axis is None else int(mesh.mesh.shape[axis])
+
+
+# Microbatch counts a pipeline plan weighs: the smallest divisors of the batch from the pipeline's size up.
+PIPELINE_MICROBATCH_CANDIDATES = 3
+
+
+def _pipeline_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config: Config, layers, passes,
+                           progress, pp: int) -> Compilation:
+    """A pipeline's microbatch count, chosen with its schedule: each candidate count (a divisor of the batch of
+    at least the pipeline's size; the smallest few) is captured and planned, and the fastest plan that fits
+    wins. More microbatches shrink the bubble and the activations in flight but make each op smaller."""
+    from autopar.errors import InfeasibleMemoryError
+    from autopar.microbatch import batch_rows, divisors
+
+    rows = batch_rows(tuple(example_inputs), dict(example_kwargs or {})) or 1
+    counts = [m for m in divisors(rows) if m >= pp][:PIPELINE_MICROBATCH_CANDIDATES]
+    if not counts:
+        raise ValueError(f"a pipeline of {pp} stages needs at least {pp} microbatches, and the batch has {rows} "
+                         f"rows along dim 0: use a batch of at least {pp} rows or a shorter pipeline axis")
+    best, errors = None, []
+    for m in counts:
+        try:
+            comp = compile_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                                config=config.with_(microbatches=m), template_layers=layers, passes=passes,
+                                progress=progress)
+        except InfeasibleMemoryError as e:
+            errors.append(e)
+            continue
+        if best is None or comp.plan.estimated_step_time < best.plan.estimated_step_time:
+            best = comp
+    if best is None:
+        raise InfeasibleMemoryError(f"{errors[-1]} (tried microbatches {', '.join(map(str, counts))})")
+    best.plan.config = config.to_json()
+    return best
 
 
 def _auto_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config: Config, layers, passes,

@@ -55,7 +55,11 @@ class Config:
                   forward and backward of each in turn (`pm.step(...)`), accumulating gradients locally, and runs
                   the gradient collectives once per step; activations are one microbatch's. "auto": the fewest
                   microbatches (a divisor of the batch) with which a plan fits the memory limit. None (default): 1.
-                  The plan records it (`plan.microbatches`).
+                  The plan records it (`plan.microbatches`). With a pipeline, None and "auto" let the planner
+                  choose the count with the schedule.
+    pipeline: None (default): a mesh axis named pp, pipe or pipeline splits the model into pipeline stages
+              (its size times the virtual stages per rank the schedule runs), other meshes get none. "auto": a
+              mesh without such an axis may also get one, by factoring its outermost axis into pp x the rest.
     """
 
     device: str | None = None
@@ -68,6 +72,7 @@ class Config:
     template_layers: int | None = 2
     sync_batch_norm: bool = True
     microbatches: int | str | None = None
+    pipeline: str | None = None
     solver: SolverConfig = SolverConfig()
 
     def __post_init__(self):
@@ -75,6 +80,9 @@ class Config:
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
             raise ValueError(f"Config(microbatches={m!r}): use a positive int (the number of microbatches each "
                              "global batch is split into along dim 0), 'auto', or None (one microbatch)")
+        if self.pipeline not in (None, "auto"):
+            raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
+                             "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")
 
     def to_json(self) -> dict:
         """Plain JSON data (placements as layout strings such as "S(0),R"); `Config.from_json` reads it back."""

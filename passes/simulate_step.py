@@ -177,6 +177,10 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     peak = _activation_peak(ctx)
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
+    if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
+        from autopar.passes.split_stages import stage_memory
+
+        return stage_memory(ctx, mem, peak)
     if accumulation:
         mem["grad_accumulation"] = int(accumulation)
     return mem, int(static + peak)
