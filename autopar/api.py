@@ -141,11 +141,16 @@ class _Training:
         if chosen.model is None:
             chosen.model = ModelSpec.python(self.model).to_json()
         rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(chosen, comp.captured))
-        prog = comp.program(rank, chosen)
-        params, buffers = runtime.load_state(self.model, prog, self.mesh, self.seed, _aliases(self.model))
+        stages = comp.stage_programs(rank, chosen) if chosen.pipeline is not None else None
+        prog = stages[0] if stages else comp.program(rank, chosen)
+        params, buffers = {}, {}
+        for p in stages or [prog]:  # a pipeline rank holds its stages' parameters only
+            ps, bs = runtime.load_state(self.model, p, self.mesh, self.seed, _aliases(self.model))
+            params.update(ps)
+            buffers.update(bs)
         programs = _Programs(self.model, self.mesh, self.loss_fn, self.config, comp, chosen,
                              {t.name: t.layout for t in (*prog.params, *prog.buffers)})
-        return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank)
+        return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank, stages=stages)
 
     def _make(self, comp, args: tuple, kwargs: dict) -> Callable[[], Plan]:
         """How rank 0 plans: on the capture every rank made, or, when the planner chooses the microbatch count

@@ -64,6 +64,12 @@ class Captured:
     # count the loss divides by (computed from the inputs alone).
     loss_reduction: str = "mean"
     loss_count: fx.Node | None = None
+    # A pipeline stage's capture (autopar/codegen/stages.py): the activations it receives from the previous
+    # stage (placeholders), those it sends to the next (outputs, instead of the loss), and the gradients of its
+    # received activations (backward outputs, in stage_inputs order).
+    stage_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    stage_outputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    input_grads: list[fx.Node] = dataclasses.field(default_factory=list)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]

@@ -38,10 +38,20 @@ class Compilation:
         return self.ctx.plan
 
     def program(self, rank: RankSpec, plan: Plan | None = None) -> Program:
-        """The Program of `rank` under `plan` (default: the plan made here)."""
+        """The Program of `rank` under `plan` (default: the plan made here); for a pipelined plan, that of the
+        first stage the rank runs (stage_programs has them all)."""
         from autopar.codegen import generate
 
-        return generate(plan or self.plan, self.captured, rank)
+        plan = plan or self.plan
+        if plan.pipeline is not None:
+            return self.stage_programs(rank, plan)[0]
+        return generate(plan, self.captured, rank)
+
+    def stage_programs(self, rank: RankSpec, plan: Plan | None = None) -> list[Program]:
+        """A pipelined plan's Programs of the stages `rank` runs."""
+        from autopar.codegen import generate_stages
+
+        return generate_stages(plan or self.plan, self.captured, rank)
 
 
 def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,

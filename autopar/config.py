@@ -60,6 +60,9 @@ class Config:
     pipeline: None (default): a mesh axis named pp, pipe or pipeline splits the model into pipeline stages
               (its size times the virtual stages per rank the schedule runs), other meshes get none. "auto": a
               mesh without such an axis may also get one, by factoring its outermost axis into pp x the rest.
+    pipeline_schedule: a torch.distributed.pipelining schedule class name ("ScheduleGPipe", "Schedule1F1B",
+                       "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") to run
+                       instead of the one the planner finds fastest; None: the planner's choice.
     """
 
     device: str | None = None
@@ -73,6 +76,7 @@ class Config:
     sync_batch_norm: bool = True
     microbatches: int | str | None = None
     pipeline: str | None = None
+    pipeline_schedule: str | None = None
     solver: SolverConfig = SolverConfig()
 
     def __post_init__(self):
@@ -80,6 +84,12 @@ class Config:
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
             raise ValueError(f"Config(microbatches={m!r}): use a positive int (the number of microbatches each "
                              "global batch is split into along dim 0), 'auto', or None (one microbatch)")
+        if self.pipeline_schedule is not None:
+            from autopar.cost.pipeline import SCHEDULES
+
+            if self.pipeline_schedule not in SCHEDULES:
+                raise ValueError(f"Config(pipeline_schedule={self.pipeline_schedule!r}): use one of "
+                                 f"{', '.join(SCHEDULES)}, or None for the planner's choice")
         if self.pipeline not in (None, "auto"):
             raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
                              "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")

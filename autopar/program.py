@@ -164,6 +164,18 @@ class Program:
     synced: list[str] = dataclasses.field(default_factory=list)
     loss_reduction: str = "mean"
     returns_count: bool = False
+    # A pipeline stage's program (plan.pipeline): its stage index, the activations it receives from the previous
+    # stage (forward inputs after `inputs`; the backward returns their gradients after the parameters') and
+    # those it sends to the next (the forward's first outputs, instead of the loss; empty for the last stage,
+    # which returns the loss and takes the loss's tangent).
+    stage: int | None = None
+    activations_in: list[TensorSpec] = dataclasses.field(default_factory=list)
+    activations_out: list[TensorSpec] = dataclasses.field(default_factory=list)
+    # Zero-bubble schedules (autopar/codegen/split_backward.py): `backward` split into
+    # backward_input(*saved, *tangents) -> (*input grads, *carried) and
+    # backward_weight(*saved, *tangents, *carried) -> (*param grads).
+    backward_input: fx.GraphModule | None = None
+    backward_weight: fx.GraphModule | None = None
 
     @property
     def param_names(self) -> list[str]:
@@ -176,6 +188,10 @@ class Program:
     def code(self) -> str:
         """The generated graphs as Python text."""
         text = f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
+        if self.backward_input is not None:
+            text += f"\n# backward_input (zero-bubble schedules: the input gradients first)\n" \
+                    f"{self.backward_input.code.strip()}\n\n# backward_weight (then the weight gradients)\n" \
+                    f"{self.backward_weight.code.strip()}\n"
         if self.grad_sync is not None:
             text += f"\n# grad_sync (once per step, after the last of {self.microbatches} microbatches)\n" \
                     f"{self.grad_sync.code.strip()}\n"

@@ -26,6 +26,7 @@ from autopar.cost.stages import Model, Part, price
 from autopar.errors import InfeasibleMemoryError
 from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import local_bytes
+from autopar.sides import node_sides
 
 # Schedules the planner weighs, with their virtual stages per rank.
 CANDIDATES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2),
@@ -101,43 +102,13 @@ def stage_memory(ctx: PassContext, memory: dict[str, int], activation_peak: floa
 
 # --- sides, and what one layer costs -----------------------------------------------------------------------
 def _sides(ctx: PassContext) -> dict[str, str]:
-    """Plan key -> side. A layer's nodes are "block"; other forward nodes before the first layer's are "first",
-    after it "last"; backward nodes before the first layer's backward are "last" (the head's), after it "first".
-    Values computed from graph inputs alone (a buffer's slice, a count of labels) go with their first reader,
-    and parameters with their first use."""
-    cap = ctx.captured
-    nodes = list(cap.gm.graph.nodes)
-    blocks = [i for i, n in enumerate(nodes) if n in cap.block_of]
-    fwd0 = min((i for i in blocks if cap.phase[nodes[i]] == "fwd"), default=len(nodes))
-    bwd0 = min((i for i in blocks if cap.phase[nodes[i]] == "bwd"), default=len(nodes))
-    side: dict[fx.Node, str] = {}
-    for i, n in enumerate(nodes):
-        if n in cap.block_of:
-            side[n] = "block"
-        elif n.op == "call_function":
-            side[n] = ("first" if i < fwd0 else "last") if cap.phase[n] == "fwd" else ("last" if i < bwd0 else "first")
-    sources = {n for n in nodes if n.op in ("placeholder", "get_attr")}
-    for n in nodes:
-        if n.op == "call_function" and n not in cap.block_of and all(a in sources for a in n.all_input_nodes):
-            sources.add(n)
-    for n in reversed(nodes):
-        if n in sources:
-            users = sorted((u for u in n.users if u in side), key=nodes.index)
-            if n.op == "placeholder" and _in_block_param(cap, n):
-                side[n] = "block"
-            else:
-                side[n] = "last" if users and side[users[0]] == "last" else "first"
+    """Plan key -> side (autopar.sides.node_sides; a key of a layer's nodes is "block")."""
     out: dict[str, str] = {}
-    for n, s in side.items():
+    for n, s in node_sides(ctx.captured).items():
         key = ctx.key.get(n)
         if key is not None:
             out[key] = "block" if out.get(key) == "block" else s
     return out
-
-
-def _in_block_param(cap, node: fx.Node) -> bool:
-    fqn = cap.names[node].split("/", 1)[-1]
-    return any(fqn.startswith(b.prefix + ".") for b in cap.blocks)
 
 
 def _input_gradient_keys(ctx: PassContext, setup: Setup) -> set[str]:
@@ -240,7 +211,10 @@ def split_stages_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     model = stage_model(ctx)
     p, m = setup.size, ctx.microbatches
     priced, refused = [], []
+    pinned = ctx.config.pipeline_schedule
     for schedule, v in CANDIDATES:
+        if pinned is not None and schedule != pinned:
+            continue
         try:
             priced.append(price(model, schedule, p, m, v))
         except ScheduleError as e:

@@ -57,6 +57,12 @@ class LocalJoint:
     grad_sync: fx.GraphModule | None = None
     synced: list[str] = dataclasses.field(default_factory=list)
     count: bool = False
+    # A pipeline stage: the activations it receives (placeholders after the inputs); the output starts with
+    # the n_heads activations it sends (instead of the loss), and the grads are followed by n_input_grads
+    # gradients of its received activations.
+    stage_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    n_heads: int = 1
+    n_input_grads: int = 0
 
     @property
     def code(self) -> str:
@@ -104,7 +110,7 @@ class _Lowering:
     # --- building ----------------------------------------------------------------------------------------
     def run(self) -> LocalJoint:
         cap = self.cap
-        params, buffers, inputs, tangents, layouts = {}, {}, [], [], {}
+        params, buffers, inputs, tangents, layouts, stage_inputs = {}, {}, [], [], {}, []
         kinds = {n: ("param", f) for f, n in cap.params.items()}
         kinds.update({n: ("buffer", f) for f, n in cap.buffers.items()})
         nodes = list(cap.gm.graph.nodes)
@@ -120,6 +126,8 @@ class _Lowering:
                 buffers[what] = new
             elif node in cap.tangents:
                 tangents.append(new)
+            elif node in cap.stage_inputs:
+                stage_inputs.append(new)
             else:
                 inputs.append(new)
         self.rng_seed = None
@@ -140,11 +148,12 @@ class _Lowering:
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
         joint = LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
-                           self.b.recompute, list(cap.mutations), len(cap.outputs))
+                           self.b.recompute, list(cap.mutations), len(cap.outputs), stage_inputs=stage_inputs,
+                           n_heads=len(cap.stage_outputs) or 1, n_input_grads=len(cap.input_grads))
         if self.deferred:
             joint.synced = list(self.deferred)
             joint.grad_sync = self._grad_sync_graph()
-            joint.count = cap.loss_reduction == "count"
+            joint.count = cap.loss_reduction == "count" and not cap.stage_outputs
         return joint
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
@@ -355,7 +364,8 @@ class _Lowering:
     def _output(self) -> None:
         cap = self.cap
         replicated = tuple(Replicate() for _ in self.rank.axis_sizes)
-        loss = self._arg(cap.loss, replicated, "fwd", "the loss")
+        # A stage that is not the last sends its activations on, as laid out where they are computed.
+        heads = [self.env[v] for v in cap.stage_outputs] or [self._arg(cap.loss, replicated, "fwd", "the loss")]
         before = set(self.b.graph.nodes)
         local = {fqn: self.env[g] for fqn, g in cap.grads.items() if g is not None}
         if self.plan.microbatches > 1:
@@ -371,10 +381,11 @@ class _Lowering:
         updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
                    for fqn, v in cap.mutations.items()]
         count = []
-        if self.plan.microbatches > 1 and cap.loss_reduction == "count":
+        if self.plan.microbatches > 1 and cap.loss_reduction == "count" and not cap.stage_outputs:
             count = [self._arg(cap.loss_count, replicated, "fwd", "the loss count")]
-        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs),
-                       *count))
+        input_grads = [self.env[g] for g in cap.input_grads]
+        self.b.output((*heads, *(grads[f] for f in cap.params), *input_grads, *updates,
+                       *(self.env[o] for o in cap.outputs), *count))
 
     def _sync_grads(self, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
         """Each gradient (`local`: fqn -> its local value in the layout it is produced in) brought to its

@@ -97,6 +97,8 @@ class Built:
     buffers: dict[str, DTensor]
     build_eval_program: Callable[[tuple, dict], Program]
     program_of_rank: Callable[[int], Program] | None = None
+    # A pipelined plan: the Programs of the stages this rank runs (`program` is the first of them).
+    stages: list[Program] | None = None
 
 
 class ParallelModule(nn.Module):
@@ -161,6 +163,17 @@ class ParallelModule(nn.Module):
         program.backward.to(self._device)
         self._program, self.plan = program, program.plan
         self._runner = _Runner(program, self.mesh.device_type, self._compile)
+        self._pipeline = None
+        if built.stages:
+            from autopar.runtime.pipeline import PipelineRunner
+
+            if self._compile:
+                raise ValueError("parallelize(compile=True) does not compile pipelined plans yet: pass compile=False, "
+                                 "or plan without a pipeline axis")
+            for prog in built.stages:
+                prog.forward.to(self._device)
+                prog.backward.to(self._device)
+            self._pipeline = PipelineRunner(built.stages, self.mesh, self._device)
         self._build_eval_program, self._program_of_rank = built.build_eval_program, built.program_of_rank
         self._build = None
 
@@ -187,7 +200,16 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         prog = self._planned(args, kwargs)
         if not self.training:
+            if prog.stage is not None:
+                raise ValueError("eval mode of a pipelined plan is not supported yet: each rank holds only its "
+                                 "stages' parameters; evaluate with pm.train() and torch.no_grad() unavailable "
+                                 "too, so plan an eval model without a pipeline axis")
             return self._evaluate(args, kwargs)
+        if prog.stage is not None:
+            raise ValueError(f"the plan runs {prog.plan.pipeline.stages} pipeline stages "
+                             f"({prog.plan.pipeline.schedule}, {prog.microbatches} microbatches): train with "
+                             "`loss = pm.step(*inputs, **kwargs)`, which runs the schedule over every microbatch and "
+                             "returns the batch's loss on every rank")
         if prog.microbatches > 1:
             raise ValueError(f"the plan splits each batch into {prog.microbatches} microbatches "
                              f"(plan.microbatches): train with `loss = pm.step(*inputs, **kwargs)`, which runs "
@@ -236,6 +258,11 @@ class ParallelModule(nn.Module):
             raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
         return self._program_of_rank(rank)
 
+    def stage_programs(self) -> list[Program]:
+        """A pipelined plan's Programs of the stages this rank runs (a plan without a pipeline: its one Program)."""
+        prog = self._require_program()
+        return list(self._pipeline.programs) if self._pipeline is not None else [prog]
+
     def eval_program(self, *args: Any, **kwargs: Any) -> Program:
         """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
         on first use, so call it on every rank."""
@@ -275,6 +302,8 @@ class ParallelModule(nn.Module):
         batch is returned on every rank. With several microbatches (plan.microbatches) it runs each one's
         forward and backward in turn and reduces the gradients once (autopar/runtime/accumulate.py)."""
         prog = self._planned(args, kwargs)
+        if self._pipeline is not None and self.training:
+            return self._pipeline.step(self, args, kwargs)
         if prog.microbatches > 1 and self.training:
             from autopar.runtime.accumulate import step_microbatches
 
@@ -284,10 +313,14 @@ class ParallelModule(nn.Module):
         loss.backward()
         return loss.detach()
 
-    def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _step_seeds(self, program: Program, m: int) -> list[list]:
+        """The dropout step seeds of a step's m microbatches (one list per microbatch, empty without dropout)."""
+        return [self._next_seed(program) for _ in range(m)]
+
+    def _local_inputs(self, args: tuple, kwargs: dict, program: Program | None = None) -> list[torch.Tensor]:
         leaves = compat.tree_leaves((args, kwargs))
         out = []
-        for i, spec in enumerate(self._program.inputs):
+        for i, spec in enumerate((program or self._program).inputs):
             leaf_idx, shape, dtype, layout = spec.leaf, spec.shape, spec.dtype, spec.layout
             if leaf_idx >= len(leaves):
                 raise ValueError(f"the model was planned with at least {leaf_idx + 1} inputs (args then kwargs), "
@@ -319,6 +352,9 @@ class ParallelModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
+        if getattr(self, "_pipeline", None) is not None:
+            raise ValueError("full_state_dict of a pipelined plan is not supported yet: each rank holds only its "
+                             "stages' parameters (pm.stage_programs() lists them)")
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
                 for k, v in self.state_dict(keep_vars=True).items()}
 
