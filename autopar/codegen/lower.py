@@ -383,7 +383,8 @@ class _Lowering:
         count = []
         if self.plan.microbatches > 1 and cap.loss_reduction == "count" and not cap.stage_outputs:
             count = [self._arg(cap.loss_count, replicated, "fwd", "the loss count")]
-        input_grads = [self.env[g] for g in cap.input_grads]
+        input_grads = [self._arg(g, self.layout_of(a), "bwd", f"the gradient of the received {cap.names[a]}")
+                       for g, a in zip(cap.input_grads, cap.stage_inputs)]
         self.b.output((*heads, *(grads[f] for f in cap.params), *input_grads, *updates,
                        *(self.env[o] for o in cap.outputs), *count))
 

@@ -6,8 +6,10 @@ and the last what follows them (autopar.sides). Values computed from graph input
 stage that reads them. A forward value one stage sends the next becomes a placeholder of the receiving stage
 (`stage_inputs`, named `activation/<k>`) and an output of the sending one (`stage_outputs`); the gradient of it
 that the receiving stage's backward computes becomes an output of that backward (`input_grads`, in the order of
-its stage_inputs) and a tangent of the sending stage (`tangent/activation.<k>`). Both ends use the producer's
-planned layout, so nothing is redistributed at a boundary. The loss, its count and the other outputs belong to
+its stage_inputs) and a tangent of the sending stage (`tangent/activation.<k>`). An activation crosses in its
+producer's planned layout and its gradient in the same layout (PipelineStage sends back a gradient shaped like
+the activation): the receiving stage brings the gradient there from where it computes it, the sending stage from
+there to where its backward reads it. The loss, its count and the other outputs belong to
 the last stage.
 """
 from __future__ import annotations
@@ -118,8 +120,10 @@ def _stage_capture(cap: Captured, plan: Plan, s: int, stage: dict, src: set, act
             env[n] = g.node_copy(n, lambda a: env[a])
             names[env[n]] = cap.names[n]
     stage_inputs = [boundary(v, f"activation/{k}", v) for k, v in enumerate(act[s])]
-    tangents = [boundary(gr, f"tangent/activation.{k}", gr) for k, gr in
-                enumerate(pairs[s] if s < S - 1 else [])]
+    # A gradient crosses in the layout of the activation it belongs to (the shape PipelineStage sends back);
+    # each side redistributes it to and from where the plan computes it.
+    tangents = [boundary(gr, f"tangent/activation.{k}", v) for k, (gr, v) in
+                enumerate(zip(pairs[s], act[s + 1]) if s < S - 1 else [])]
     for n in keep:
         if n.op != "placeholder":
             env[n] = g.node_copy(n, lambda a: env[a])
