@@ -14,6 +14,7 @@ import argparse
 import collections
 import os
 import re
+import signal as signal_module
 import subprocess
 import sys
 import time
@@ -72,12 +73,16 @@ def main() -> None:
         for case in a.cases.split(","):
             t0 = time.perf_counter()
             cmd = [torchrun, "--standalone", "--nproc-per-node", "4", __file__, "--worker", case]
+            # A session of its own, so a run past the timeout is killed with all its workers.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True)
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-                code = p.returncode
-                text = p.stdout + p.stderr
-            except subprocess.TimeoutExpired as e:
-                code, text = "timeout", (e.stdout or b"").decode() + (e.stderr or b"").decode()
+                text, _ = proc.communicate(timeout=a.timeout)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal_module.SIGKILL)
+                text, _ = proc.communicate()
+                code = "timeout"
             signal = re.search(r"Signal (\d+)", text)
             what = "ok" if code == 0 else f"exit {code}" + (f" (signal {signal.group(1)})" if signal else "")
             outcomes[case][what] += 1
