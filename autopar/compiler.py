@@ -117,6 +117,8 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     config = config or Config()
     layers = config.template_layers if template_layers == "config" else template_layers
     pp = _pipeline_size(mesh, config)
+    if config.pipeline == "auto" and pp == 1 and _pipeline_axis(mesh) is None:
+        return _auto_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn, config, layers, passes, progress)
     if pp > 1 and not isinstance(config.microbatches, int):
         return _pipeline_microbatches(model, mesh, example_inputs, example_kwargs, loss_fn, config, layers, passes,
                                       progress, pp)
@@ -137,11 +139,52 @@ def compile_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     return comp
 
 
-def _pipeline_size(mesh: DeviceMesh, config: Config) -> int:
+def _pipeline_axis(mesh: DeviceMesh) -> int | None:
     from autopar.mesh import pipeline_axis
 
-    axis = pipeline_axis(mesh.mesh_dim_names or ())
+    return pipeline_axis(mesh.mesh_dim_names or ())
+
+
+def _pipeline_size(mesh: DeviceMesh, config: Config) -> int:
+    axis = _pipeline_axis(mesh)
     return 1 if axis is None else int(mesh.mesh.shape[axis])
+
+
+# Pipeline sizes Config(pipeline="auto") weighs: divisors of the outermost axis from 2 up to this.
+AUTO_PIPELINE_MAX = 8
+
+
+def _auto_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn, config: Config, layers, passes,
+                   progress) -> Compilation:
+    """Config(pipeline="auto") on a mesh without a pipeline axis: the plan of the mesh as it is, and of the mesh
+    with its outermost axis factored into pp x the rest for each pipeline size k dividing it (2 <= k <=
+    AUTO_PIPELINE_MAX, at most the model's layers); the fastest that fits wins. Its plan names the mesh it
+    assumes (plan.mesh), which parallelize needs built from the same ranks."""
+    from autopar.errors import InfeasibleMemoryError
+    from autopar.mesh import fake_mesh, target_device_type
+    from autopar.microbatch import divisors
+
+    names, shape = tuple(mesh.mesh_dim_names), tuple(int(s) for s in mesh.mesh.shape)
+    flat = config.with_(pipeline=None)
+    found, errors = [], []
+    meshes = [mesh] + [fake_mesh((k, shape[0] // k, *shape[1:]), ("pp", *names), target_device_type(mesh, config.device))
+                       for k in divisors(shape[0]) if 2 <= k <= AUTO_PIPELINE_MAX]
+    for candidate in meshes:
+        try:
+            found.append(compile_plan(model, candidate, example_inputs, example_kwargs=example_kwargs,
+                                      loss_fn=loss_fn, config=flat, template_layers=layers, passes=passes,
+                                      progress=progress))
+        except InfeasibleMemoryError as e:
+            errors.append(e)
+        except ValueError as e:  # more stages than layers, a model pipelines cannot cut
+            if candidate is mesh:
+                raise
+            errors.append(e)
+    if not found:
+        raise InfeasibleMemoryError(f"no plan fits with or without pipeline stages: {errors[0]}")
+    best = min(found, key=lambda c: c.plan.estimated_step_time)
+    best.plan.config = config.to_json()
+    return best
 
 
 # Microbatch counts a pipeline plan weighs: the smallest divisors of the batch from the pipeline's size up.

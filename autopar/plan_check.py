@@ -22,6 +22,13 @@ def check_plan(plan: Plan, comp: Compilation) -> None:
     ctx = comp.ctx
     mesh = ctx.mesh
     if tuple(plan.mesh.axis_names) != tuple(mesh.axis_names) or tuple(plan.mesh.shape) != tuple(mesh.shape):
+        if plan.pipeline is not None and mesh.pipeline_axis is None and plan.mesh.size == mesh.size:
+            raise PlanMismatchError(
+                f"the plan factors the mesh {dict(zip(mesh.axis_names, mesh.shape))} into "
+                f"{dict(zip(plan.mesh.axis_names, plan.mesh.shape))} for its pipeline stages "
+                f"(Config(pipeline='auto')): build that mesh from the same ranks, init_device_mesh(device, "
+                f"{tuple(plan.mesh.shape)}, mesh_dim_names={tuple(plan.mesh.axis_names)}), and pass it to "
+                "parallelize with plan=")
         raise PlanMismatchError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
                                 f"parallelize got {dict(zip(mesh.axis_names, mesh.shape))}; re-plan for this mesh")
     here = ctx.precision.name

@@ -164,12 +164,13 @@ class ParallelModule(nn.Module):
         self._program, self.plan = program, program.plan
         self._runner = _Runner(program, self.mesh.device_type, self._compile)
         self._pipeline = None
+        if self._compile and program.microbatches > 1:
+            raise ValueError(f"parallelize(compile=True) does not compile plans of several microbatches or pipeline "
+                             f"stages yet (this plan has {program.microbatches} microbatches): pass compile=False, or "
+                             "plan with Config(microbatches=1) on a mesh without a pipeline axis")
         if built.stages:
             from autopar.runtime.pipeline import PipelineRunner
 
-            if self._compile:
-                raise ValueError("parallelize(compile=True) does not compile pipelined plans yet: pass compile=False, "
-                                 "or plan without a pipeline axis")
             for prog in built.stages:
                 prog.forward.to(self._device)
                 prog.backward.to(self._device)
