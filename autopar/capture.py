@@ -374,35 +374,10 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
                    block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
                    checkpointed=checkpointed, mutations=mutations, outputs=outputs)
-    cap.loss_reduction, cap.loss_count = _loss_reduction(cap)
+    from autopar.microbatch import loss_reduction
+
+    cap.loss_reduction, cap.loss_count = loss_reduction(cap)
     return cap
-
-
-def _loss_reduction(cap: Captured) -> tuple[str, fx.Node | None]:
-    """("count", count node) when the loss is numerator / count with a count read from the inputs alone (the
-    decomposed cross_entropy and nll_loss), ("sum", None) for a plain total, else ("mean", None)."""
-    aten = torch.ops.aten
-    loss = cap.loss
-    if loss.op != "call_function":
-        return "mean", None
-    if loss.target is aten.div.Tensor and isinstance(loss.args[1], fx.Node):
-        den = loss.args[1]
-        sources = {n for n in _ancestors(den) if n.op == "placeholder"}
-        if sources and sources <= set(cap.inputs):
-            return "count", den
-    if loss.target is aten.sum.default:
-        return "sum", None
-    return "mean", None
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _attribute(gm: fx.GraphModule, prefixes: list[str]) -> tuple[dict[fx.Node, str], dict[fx.Node, str]]:

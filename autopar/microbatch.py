@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 
 from autopar import _torch_compat as compat
 
@@ -17,6 +18,30 @@ from autopar import _torch_compat as compat
 #   "mean":  anything else is taken as a mean over the batch: losses and gradients are averaged over the
 #            (equal) microbatches.
 REDUCTIONS = ("count", "sum", "mean")
+
+
+def loss_reduction(cap: Any) -> tuple[str, Any]:
+    """How a captured loss (autopar.capture.Captured) adds up over microbatches: ("count", the count node) when
+    the loss is numerator / count with a count read from the inputs alone (the decomposed cross_entropy and
+    nll_loss), ("sum", None) for a plain total, else ("mean", None)."""
+    aten = torch.ops.aten
+    loss = cap.loss
+    if loss.op != "call_function":
+        return "mean", None
+    if loss.target is aten.div.Tensor and isinstance(loss.args[1], torch.fx.Node):
+        den = loss.args[1]
+        seen, stack = set(), [den]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        sources = {n for n in seen if n.op == "placeholder"}
+        if sources and sources <= set(cap.inputs):
+            return "count", den
+    if loss.target is aten.sum.default:
+        return "sum", None
+    return "mean", None
 
 
 def batch_rows(args: tuple, kwargs: dict) -> int | None:
@@ -61,4 +86,4 @@ def first_microbatch(args: tuple, kwargs: dict | None, m: int) -> tuple[tuple, d
     return split_batch(tuple(args), dict(kwargs or {}), m)[0]
 
 
-__all__ = ["REDUCTIONS", "batch_rows", "divisors", "check_divides", "split_batch", "first_microbatch"]
+__all__ = ["REDUCTIONS", "loss_reduction", "batch_rows", "divisors", "check_divides", "split_batch", "first_microbatch"]

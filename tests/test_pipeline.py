@@ -307,3 +307,13 @@ def test_golden_auto_leaves_a_model_that_fits_and_runs_fastest_without_stages_un
     p = _plan_llama(LLAMA_SMALL, (4,), ("dp",), 64, 256, pipeline="auto")
     assert p.pipeline is None and "pp" not in p.techniques
     assert tuple(p.mesh.axis_names) == ("dp",)
+
+
+def test_a_stage_program_prints_what_it_receives_and_sends():
+    plan = Plan.from_json(plan_json("llama:4", "pp2", "Schedule1F1B", 4))
+    model, args, kwargs, loss_fn = build("llama:4")
+    prog = autopar.program(plan, 1, model=model, example_inputs=args, loss_fn=loss_fn)
+    assert prog.stage == 1 and prog.activations_in and not prog.activations_out
+    text = str(prog)
+    assert "stage        1 of 2 (Schedule1F1B, 4 microbatches): receives activation/0 [2, 16, 64], sends the loss" in text
+    assert "# grad_sync" in text

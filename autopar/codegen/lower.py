@@ -12,8 +12,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.codegen.collectives import (BUCKET_META, GatherBucket, bucketed_all_reduce, bucketed_reduce_scatter,
-                                        checked_steps, emit_bucket_issue, emit_bucket_wait, redistribute)
+from autopar.codegen.collectives import (BUCKET_META, GatherBucket, checked_steps, emit_bucket_issue,
+                                        emit_bucket_wait, redistribute)
+from autopar.codegen.grad_sync import bucketed, grad_sync_graph, sync_grads
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.codegen import rng
@@ -22,10 +23,6 @@ from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
-# Gradient buckets as DDP's defaults: the first holds 1 MiB (so a reduction starts early in backward), the
-# others 25 MiB.
-BUCKET_BYTES = 25 * 2**20
-FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclasses.dataclass
@@ -389,54 +386,10 @@ class _Lowering:
                        *(self.env[o] for o in cap.outputs), *count))
 
     def _sync_grads(self, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
-        """Each gradient (`local`: fqn -> its local value in the layout it is produced in) brought to its
-        parameter's layout. Data-parallel (all-reduce, over one axis or several) and FSDP (reduce-scatter)
-        gradients go in buckets, as DDP and FSDP do, not one collective each."""
-        cap = self.cap
-        grads: dict[str, fx.Node] = {}
-        buckets: dict[tuple, list[tuple[str, fx.Node, int]]] = {}
-        for fqn, value in local.items():
-            g, pnode = cap.grads[fqn], cap.params[fqn]
-            steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
-            axes = _bucketed(steps)
-            if axes is not None:
-                key = (steps[0].kind, axes, value.meta["val"].dtype)
-                buckets.setdefault(key, []).append((fqn, value, steps[0].dim))
-            else:
-                grads[fqn] = self._redistribute(value, self.layout_of(g), self.layout_of(pnode), "bwd",
-                                                f"the gradient of {fqn}")
-        for (kind, axis, _), items in buckets.items():
-            # Gradients appear last layer first: fill buckets in that order so the first can start early.
-            if kind == "all_reduce":
-                grads.update(bucketed_all_reduce(self.b, [(f, x) for f, x, _ in items[::-1]], axis, self.rank,
-                                                 BUCKET_BYTES, FIRST_BUCKET_BYTES))
-            else:
-                grads.update(bucketed_reduce_scatter(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
-        return grads
+        return sync_grads(self, local)
 
     def _grad_sync_graph(self) -> fx.GraphModule:
-        """(*accumulated gradients of `self.deferred`, in their produced layouts) -> (each in its parameter's
-        layout): the gradient collectives of a step of several microbatches, run once after the last one."""
-        self.b, self.cache = Builder(), {}
-        local = {}
-        for fqn in self.deferred:
-            g = self.cap.grads[fqn]
-            meta = self.env[g].meta["val"]
-            name = "grad_" + re.sub(r"[^0-9a-zA-Z_]", "_", fqn)
-            local[fqn] = self.b.placeholder(name, tuple(meta.shape), meta.dtype)
-        synced = self._sync_grads(local)
-        self.b.output(tuple(synced[fqn] for fqn in self.deferred))
-        return self.b.module()
-
-
-def _bucketed(steps) -> tuple[int, ...] | int | None:
-    """For a gradient reduced in buckets, the axes of its sum all-reduces (a tuple) or the axis of its
-    sum reduce-scatter (an int); None for any other redistribution."""
-    if steps and all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
-        return tuple(st.axis for st in steps)
-    if len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum":
-        return steps[0].axis
-    return None
+        return grad_sync_graph(self)
 
 
 def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]]:
@@ -446,7 +399,7 @@ def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]
     out = set()
     for fqn, pnode in cap.params.items():
         g = cap.grads.get(fqn)
-        axes = None if g is None else _bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
+        axes = None if g is None else bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
         if isinstance(axes, tuple) and len(axes) > 1:
             out.add(tuple(sorted(axes)))
     return out

@@ -251,7 +251,12 @@ def pipeline_figure(timeline: list, title: str) -> Figure | None:
     for inputs (orange) and for weights (green) of each stage and microbatch, labeled `<stage><kind><mb>`."""
     if not timeline:
         return None
-    lanes = sorted({r[0] for r in timeline}, key=lambda x: int(x.rsplit(" ", 1)[-1]))
+    def rank(lane: str) -> tuple:
+        last = lane.rsplit(" ", 1)[-1]
+        return (0, int(last), lane) if last.isdigit() else (1, 0, lane)
+
+    timeline = [[str(r[0]), str(r[1]), r[2], r[3]] for r in timeline]
+    lanes = sorted({r[0] for r in timeline}, key=rank)
     fig = Figure(figsize=(11, 0.9 + 0.45 * len(lanes)))
     ax = fig.subplots()
     scale, unit = time_unit(max(r[3] for r in timeline))

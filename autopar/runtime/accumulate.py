@@ -52,8 +52,9 @@ def step_microbatches(pm: Any, prog: Program, runner: Any, args: tuple, kwargs: 
         scale = {"count": 1 / total_weight if total_weight is not None else None, "sum": 1.0,
                  "mean": 1.0 / m}[prog.loss_reduction]
         if total_loss is None:  # every microbatch was empty: the full batch's loss is 0 / 0 as well
-            return torch.full((), float("nan"))
-        synced = runner.grad_sync(*[_scaled(acc.get(f), scale, prog, i) for i, f in enumerate(prog.synced)])
+            return torch.full((), float("nan"), device=pm._device)
+        synced = runner.grad_sync(*[_scaled(acc.get(f), scale, prog, i, pm._device)
+                                    for i, f in enumerate(prog.synced)])
         by_name = dict(zip(prog.param_names, params))
         for fqn, g in zip(prog.synced, synced):
             p = by_name[fqn]
@@ -65,13 +66,13 @@ def step_microbatches(pm: Any, prog: Program, runner: Any, args: tuple, kwargs: 
     return (total_loss * scale).detach()
 
 
-def _scaled(g: torch.Tensor | None, scale, prog: Program, i: int) -> torch.Tensor:
+def _scaled(g: torch.Tensor | None, scale, prog: Program, i: int, device: torch.device) -> torch.Tensor:
     """An accumulated gradient times the step's scale; zeros (of grad_sync's i-th input) when no microbatch
     produced one."""
     if g is None:
         ph = [n for n in prog.grad_sync.graph.nodes if n.op == "placeholder"][i]
         val = ph.meta["val"]
-        return torch.zeros(tuple(val.shape), dtype=val.dtype)
+        return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
     return g * scale
 
 

@@ -30,9 +30,9 @@ from autopar.program import Program
 class _Runner:
     """One stage's Program over one step's microbatches."""
 
-    def __init__(self, program: Program, device_type: str):
+    def __init__(self, program: Program, device: torch.device):
         self.program = program
-        self.device_type = device_type
+        self.device, self.device_type = device, device.type
         self.last = not program.activations_out
         self.n_heads = len(program.activations_out) or 1
         n = len(program.params)
@@ -80,7 +80,7 @@ class _Runner:
         return [(g * w).contiguous()]
 
     def _zeros(self) -> tuple:
-        return tuple(torch.zeros(a.local_shape, dtype=a.dtype) for a in self.program.activations_in)
+        return tuple(torch.zeros(a.local_shape, dtype=a.dtype, device=self.device) for a in self.program.activations_in)
 
     def _accumulate(self, grads) -> None:
         for i, g in enumerate(grads):
@@ -122,7 +122,7 @@ class _Runner:
         for f, ph in zip(prog.synced, phs):
             g = self.acc.get(index[f])
             acc.append(g * scale if g is not None else torch.zeros(tuple(ph.meta["val"].shape),
-                                                                    dtype=ph.meta["val"].dtype))
+                                                                    dtype=ph.meta["val"].dtype, device=self.device))
         with torch.autocast(self.device_type, enabled=False), torch.no_grad():
             synced = prog.grad_sync(*acc)
             for f, g in zip(prog.synced, synced):
@@ -155,7 +155,8 @@ class _StageModule(nn.Module):
     def __init__(self, runner: _Runner):
         super().__init__()
         self.runner = runner
-        self._dummy = torch.zeros((), requires_grad=True)  # so the first stage's output has a backward
+        self._dummy = torch.zeros((), device=runner.device, requires_grad=True)  # so the first stage's output
+        # has a backward
 
     def forward(self, *acts: torch.Tensor):
         return _StageFn.apply(self.runner, self._dummy, *acts)
@@ -194,7 +195,7 @@ class PipelineRunner:
         self.programs, self.microbatches, self.pipeline = programs, plan.microbatches, pp
         self.group = mesh.get_group(pp.axis)
         self.device = device
-        self.runners = [_Runner(p, mesh.device_type) for p in programs]
+        self.runners = [_Runner(p, device) for p in programs]
         stages = []
         for prog, runner in zip(programs, self.runners):
             # Example tensors of what a stage receives and sends (static metadata); requiring grad, so the
@@ -202,7 +203,7 @@ class PipelineRunner:
             ins = tuple(torch.zeros(a.local_shape, dtype=a.dtype, device=device, requires_grad=True)
                         for a in prog.activations_in)
             outs = tuple(torch.zeros(a.local_shape, dtype=a.dtype, device=device, requires_grad=True)
-                         for a in prog.activations_out) or (torch.zeros((), requires_grad=True),)
+                         for a in prog.activations_out) or (torch.zeros((), device=device, requires_grad=True),)
             stages.append(_Stage(_StageModule(runner), prog.stage, pp.stages, device, input_args=ins,
                                  output_args=outs, group=self.group))
         cls = getattr(schedules, pp.schedule)
@@ -214,7 +215,7 @@ class PipelineRunner:
 
         m = self.microbatches
         batches = _microbatches(pm, self.programs[0], args, kwargs)
-        seeds = pm._step_seeds(self.programs[0], m)
+        seeds = pm._step_seeds(next((p for p in self.programs if p.takes_seed), self.programs[0]), m)
         for prog, runner in zip(self.programs, self.runners):
             params = [compat.dtensor_local(pm.get_parameter(f)) for f in prog.param_names]
             buffers = [_local(pm.get_buffer(f)) for f in prog.buffer_names]
@@ -223,7 +224,7 @@ class PipelineRunner:
         self.schedule.step(target=torch.zeros(m), return_outputs=False)
         # The step's loss and weight live on the last stage's ranks: sum them over the pipeline axis.
         last = next((r for r in self.runners if r.last), None)
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         if last is not None and last.loss_sum is not None:
             total[0], total[1] = last.loss_sum.double(), last.weight_sum.double()
         dist.all_reduce(total, group=self.group)
