@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -196,6 +197,13 @@ def tree_flatten(tree: Any) -> tuple[list, Any]:
     return pytree.tree_flatten(tree)
 
 
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    """The inverse of tree_flatten."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_unflatten(leaves, spec)
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without an autograd node (inside an autograd.Function)."""
     return t._local_tensor  # type: ignore[attr-defined]
@@ -219,3 +227,19 @@ def scaled_mm_op():
     """aten._scaled_mm (private): the FP8 GEMM, `(a, b, scale_a, scale_b, bias=None, scale_result=None,
     out_dtype=None, use_fast_accum=False)`, a row-major and b column-major; runs on CUDA (sm89+) and on CPU."""
     return torch.ops.aten._scaled_mm.default
+
+
+@functools.lru_cache(maxsize=256)
+def pipeline_schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[tuple, ...]:
+    """Per pipeline rank, the compute actions (stage index, "F" | "B" | "I" | "W", microbatch index) in the order
+    the torch.distributed.pipelining schedule class `schedule` (e.g. "ScheduleInterleaved1F1B") runs them, built
+    from the class itself with a stand-in stage (no process group), as torch's schedule visualizer does; the
+    idle slots the class pads its order with are left out."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    cls = getattr(schedules, schedule)
+    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    ops = get_schedule_ops(cls, pp, microbatches, stages_per_rank if multi else None)
+    return tuple(tuple((int(a.stage_index), a.computation_type.value, int(a.microbatch_index)) for a in rank
+                       if a is not None and a.is_compute_op) for rank in ops)

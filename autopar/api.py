@@ -57,7 +57,8 @@ def program(plan: Plan, rank: int = 0, *, model: nn.Module | None = None, exampl
         model, example_inputs, loss_fn = built.model, built.inputs, loss_fn or built.loss_fn
         example_kwargs = example_kwargs if example_kwargs is not None else built.kwargs
     mesh = fake_mesh(plan.mesh.shape, plan.mesh.axis_names, plan.mesh.device_type)
-    comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None)
+    comp = capture_step(model, mesh, example_inputs, example_kwargs, loss_fn, config, template_layers=None,
+                        microbatches=plan.microbatches)
     from autopar.plan_check import check_plan
 
     check_plan(plan, comp)
@@ -126,27 +127,52 @@ class _Training:
         from autopar.compiler import capture_step, reject_collectives
         from autopar.model_spec import ModelSpec
 
-        comp = capture_step(self.model, self.mesh, args, kwargs, self.loss_fn, self.config, template_layers=None)
+        first = self.plan.microbatches if self.plan is not None else None  # None: Config's (1 for "auto")
+        comp = capture_step(self.model, self.mesh, args, kwargs, self.loss_fn, self.config, template_layers=None,
+                            microbatches=first)
         reject_collectives(comp.captured)
-        chosen = _agree(comp, self.plan)
+        chosen = _agree(comp, self.plan, self._make(comp, args, kwargs))
+        if chosen.microbatches != comp.ctx.microbatches:  # rank 0 chose the count ("auto"): capture it here too
+            from autopar.plan_check import check_plan
+
+            comp = capture_step(self.model, self.mesh, args, kwargs, self.loss_fn, self.config,
+                                template_layers=None, microbatches=chosen.microbatches)
+            check_plan(chosen, comp)
         if chosen.model is None:
             chosen.model = ModelSpec.python(self.model).to_json()
         rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(chosen, comp.captured))
-        prog = comp.program(rank, chosen)
-        params, buffers = runtime.load_state(self.model, prog, self.mesh, self.seed, _aliases(self.model))
+        stages = comp.stage_programs(rank, chosen) if chosen.pipeline is not None else None
+        prog = stages[0] if stages else comp.program(rank, chosen)
+        params, buffers = {}, {}
+        for p in stages or [prog]:  # a pipeline rank holds its stages' parameters only
+            ps, bs = runtime.load_state(self.model, p, self.mesh, self.seed, _aliases(self.model))
+            params.update(ps)
+            buffers.update(bs)
         programs = _Programs(self.model, self.mesh, self.loss_fn, self.config, comp, chosen,
                              {t.name: t.layout for t in (*prog.params, *prog.buffers)})
-        return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank)
+        return runtime.Built(prog, params, buffers, programs.eval_program, programs.of_rank, stages=stages)
+
+    def _make(self, comp, args: tuple, kwargs: dict) -> Callable[[], Plan]:
+        """How rank 0 plans: on the capture every rank made, or, when the planner chooses the microbatch count
+        (Config(microbatches="auto"), or a pipeline without a count), by planning each count it weighs
+        (autopar.compiler.compile_plan)."""
+        from autopar.compiler import compile_plan, solve
+
+        if isinstance(self.config.microbatches, int) or (self.config.microbatches is None
+                                                         and comp.ctx.pipeline_axis is None):
+            return lambda: solve(comp)
+        return lambda: compile_plan(self.model, self.mesh, args, example_kwargs=kwargs, loss_fn=self.loss_fn,
+                                    config=self.config, template_layers=None).plan
 
 
-def _agree(comp, given: Plan | None) -> Plan:
-    """The plan every rank runs: rank 0 plans (or checks `given`) and broadcasts it; every rank checks it
-    fits the graph it captured."""
+def _agree(comp, given: Plan | None, make: Callable[[], Plan]) -> Plan:
+    """The plan every rank runs: rank 0 plans with `make` (or checks `given`) and broadcasts it; every rank
+    checks it fits the graph it captured."""
     from autopar import runtime
-    from autopar.compiler import fingerprint, solve
+    from autopar.compiler import fingerprint
     from autopar.plan_check import check_plan
 
-    return runtime.agree_on_plan(lambda: solve(comp), lambda p: check_plan(p, comp), given, fingerprint(comp))
+    return runtime.agree_on_plan(make, lambda p: check_plan(p, comp), given, fingerprint(comp))
 
 
 class _Programs:
@@ -164,7 +190,7 @@ class _Programs:
         from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
 
         # Inputs are planned afresh (eval shapes may differ); activation pins name training-graph nodes.
-        config = self.config.with_(pins=self.placements, input_placements=None)
+        config = self.config.with_(pins=self.placements, input_placements=None, microbatches=None)
         with forward_only(self.model):
             comp = capture_step(self.model, self.mesh, args, kwargs, self.loss_fn, config, template_layers=None)
         reject_collectives(comp.captured)

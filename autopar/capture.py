@@ -60,6 +60,16 @@ class Captured:
     batch_norms: list[str] = dataclasses.field(default_factory=list)
     # Outputs besides the loss, when the loss function returns (loss, *outputs): returned, never differentiated.
     outputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    # How the loss adds up over microbatches (autopar.microbatch.REDUCTIONS) and, for "count", the node of the
+    # count the loss divides by (computed from the inputs alone).
+    loss_reduction: str = "mean"
+    loss_count: fx.Node | None = None
+    # A pipeline stage's capture (autopar/codegen/stages.py): the activations it receives from the previous
+    # stage (placeholders), those it sends to the next (outputs, instead of the loss), and the gradients of its
+    # received activations (backward outputs, in stage_inputs order).
+    stage_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    stage_outputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    input_grads: list[fx.Node] = dataclasses.field(default_factory=list)
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -364,6 +374,9 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
                    block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
                    checkpointed=checkpointed, mutations=mutations, outputs=outputs)
+    from autopar.microbatch import loss_reduction
+
+    cap.loss_reduction, cap.loss_count = loss_reduction(cap)
     return cap
 
 

@@ -141,6 +141,18 @@ class Config:
     template_layers: plan() captures this many layers of each repeated stack and scales costs and memory to
                      the full depth, so planning time does not grow with depth (None: capture the whole model).
                      parallelize() always captures the whole model, since it runs every layer.
+    microbatches: N splits every tensor input along dim 0 into N microbatches of equal size: the step runs the
+                  forward and backward of each in turn (`pm.step(...)`), accumulating gradients locally, and runs
+                  the gradient collectives once per step; activations are one microbatch's. "auto": the fewest
+                  microbatches (a divisor of the batch) with which a plan fits the memory limit. None (default): 1.
+                  The plan records it (`plan.microbatches`). With a pipeline, None and "auto" let the planner
+                  choose the count with the schedule.
+    pipeline: None (default): a mesh axis named pp, pipe or pipeline splits the model into pipeline stages
+              (its size times the virtual stages per rank the schedule runs), other meshes get none. "auto": a
+              mesh without such an axis may also get one, by factoring its outermost axis into pp x the rest.
+    pipeline_schedule: a torch.distributed.pipelining schedule class name ("ScheduleGPipe", "Schedule1F1B",
+                       "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") to run
+                       instead of the one the planner finds fastest; None: the planner's choice.
     """
 
     device: str | None = None
@@ -153,14 +165,30 @@ class Config:
     template_layers: int | None = 2
     sync_batch_norm: bool = True
     fp8: "str | Fp8Config" = "off"
+    microbatches: int | str | None = None
+    pipeline: str | None = None
+    pipeline_schedule: str | None = None
     solver: SolverConfig = SolverConfig()
-
-    def __post_init__(self):
-        resolve_fp8(self.fp8)  # a bad value fails here, where the user wrote it
 
     @property
     def fp8_config(self) -> Fp8Config:
         return resolve_fp8(self.fp8)
+
+    def __post_init__(self):
+        resolve_fp8(self.fp8)  # a bad value fails here, where the user wrote it
+        m = self.microbatches
+        if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
+            raise ValueError(f"Config(microbatches={m!r}): use a positive int (the number of microbatches each "
+                             "global batch is split into along dim 0), 'auto', or None (one microbatch)")
+        if self.pipeline_schedule is not None:
+            from autopar.cost.pipeline import SCHEDULES
+
+            if self.pipeline_schedule not in SCHEDULES:
+                raise ValueError(f"Config(pipeline_schedule={self.pipeline_schedule!r}): use one of "
+                                 f"{', '.join(SCHEDULES)}, or None for the planner's choice")
+        if self.pipeline not in (None, "auto"):
+            raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
+                             "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")
 
     def to_json(self) -> dict:
         """Plain JSON data (placements as layout strings such as "S(0),R"); `Config.from_json` reads it back."""

@@ -9,6 +9,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 LINK_KINDS = ("nvlink", "ib", "pcie", "loopback")
+# A mesh axis with one of these names splits the model into pipeline stages, one per coordinate.
+PIPELINE_AXIS_NAMES = ("pp", "pipe", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,11 @@ class MeshSpec:
 
     def axis_size(self, axis: str) -> int:
         return self.shape[self.axis_names.index(axis)]
+
+    @property
+    def pipeline_axis(self) -> int | None:
+        """The index of the axis named pp, pipe or pipeline (one at most), or None."""
+        return pipeline_axis(self.axis_names)
 
     def to_json(self) -> dict:
         return {"axis_names": list(self.axis_names), "shape": list(self.shape), "links": list(self.links),
@@ -79,6 +86,14 @@ def mesh_spec(mesh: DeviceMesh, links: dict[str, str] | None = None, device: str
             raise ValueError(f"unknown link kind {kind!r} for axis {axis!r}; known: {', '.join(LINK_KINDS)}")
         chosen[names.index(axis)] = kind
     return MeshSpec(tuple(names), shape, tuple(chosen), dev)
+
+
+def pipeline_axis(names: Sequence[str]) -> int | None:
+    found = [i for i, n in enumerate(names) if n in PIPELINE_AXIS_NAMES]
+    if len(found) > 1:
+        raise ValueError(f"the mesh names {len(found)} pipeline axes {[names[i] for i in found]}; name one axis "
+                         f"{' / '.join(PIPELINE_AXIS_NAMES)}")
+    return found[0] if found else None
 
 
 def fake_mesh(shape: int | Sequence[int], names: str | Sequence[str], device_type: str = "cuda") -> DeviceMesh:

@@ -93,6 +93,55 @@ def _r(x: float) -> float:
 
 
 @dataclasses.dataclass
+class PipelinePlan:
+    """Pipeline stages: the mesh axis they run over (`ranks` coordinates), `stages` stages in all
+    (`virtual_stages` per rank), the torch.distributed.pipelining schedule class that runs them, the
+    microbatches per step; per stage the pipeline rank it runs on, its layers [start, end) of the repeated stack
+    and its modules by name (the first stage also holds what precedes the layers, the last what follows them),
+    and its estimated time per microbatch; the simulated step (time, bubble fraction: the share of the ranks'
+    time spent idle, memory per pipeline rank, the activations' transfer time between stages), every schedule
+    priced for comparison, and the timeline as [lane, label, start, end] records for a Gantt chart."""
+
+    axis: str
+    ranks: int
+    stages: int
+    virtual_stages: int
+    schedule: str
+    microbatches: int
+    stage_ranks: list[int]
+    stage_layers: list[list[int]]
+    stage_modules: list[list[str]]
+    bubble_fraction: float
+    step_time_s: float
+    stage_time_s: list[float]
+    send_s: float
+    memory_per_rank: list[int]
+    schedules: list[dict] = dataclasses.field(default_factory=list)
+    timeline: list[list] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.bubble_fraction, self.step_time_s, self.send_s = _r(self.bubble_fraction), _r(self.step_time_s), \
+            _r(self.send_s)
+        self.stage_time_s = [_r(t) for t in self.stage_time_s]
+        self.schedules = [{k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()} for d in self.schedules]
+        self.timeline = [[str(a), str(b), _r(c), _r(d)] for a, b, c, d in self.timeline]
+        self.stage_layers = [list(x) for x in self.stage_layers]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelinePlan":
+        return cls(**d)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def items(self):
+        return self.to_json().items()
+
+
+@dataclasses.dataclass
 class Plan:
     mesh: MeshSpec
     device: str
@@ -129,6 +178,11 @@ class Plan:
     # FP8 matmuls (passes/fp8_variants.summary): {"mode", "fp8_gemms", "eligible_gemms" (runs per step),
     # "compute_saved_s", and with FP8 off on FP8 hardware "auto_would_save_s"}; empty when no matmul may run in FP8.
     fp8: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Microbatches per step (Config.microbatches): each global batch is split along dim 0 into this many; the
+    # graph was captured at one microbatch's shapes and the figures are for the whole step.
+    microbatches: int = 1
+    # Pipeline stages (over a mesh axis named pp), None without.
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self):
         # The solver's clock readings are timings, not part of what the plan decides.
@@ -253,6 +307,8 @@ class Plan:
             "model": self.model, "config": self.config, "batch_norms": dict(sorted(self.batch_norms.items())),
             "timings": dict(sorted(self.timings.items())) if timings else {},
             "comm_bytes": dict(sorted(self.comm_bytes.items())), "timeline": self.timeline,
+            "microbatches": self.microbatches,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
         if self.fp8:
             d["fp8"] = dict(sorted(self.fp8.items()))
@@ -285,7 +341,8 @@ class Plan:
                 mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
                 batch_norms=d.get("batch_norms", {}),
                 timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []),
-                fp8=d.get("fp8", {}))
+                fp8=d.get("fp8", {}), microbatches=int(d.get("microbatches", 1)),
+                pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e

@@ -22,6 +22,13 @@ def check_plan(plan: Plan, comp: Compilation) -> None:
     ctx = comp.ctx
     mesh = ctx.mesh
     if tuple(plan.mesh.axis_names) != tuple(mesh.axis_names) or tuple(plan.mesh.shape) != tuple(mesh.shape):
+        if plan.pipeline is not None and mesh.pipeline_axis is None and plan.mesh.size == mesh.size:
+            raise PlanMismatchError(
+                f"the plan factors the mesh {dict(zip(mesh.axis_names, mesh.shape))} into "
+                f"{dict(zip(plan.mesh.axis_names, plan.mesh.shape))} for its pipeline stages "
+                f"(Config(pipeline='auto')): build that mesh from the same ranks, init_device_mesh(device, "
+                f"{tuple(plan.mesh.shape)}, mesh_dim_names={tuple(plan.mesh.axis_names)}), and pass it to "
+                "parallelize with plan=")
         raise PlanMismatchError(f"the plan is for mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
                                 f"parallelize got {dict(zip(mesh.axis_names, mesh.shape))}; re-plan for this mesh")
     here = ctx.precision.name
@@ -29,6 +36,9 @@ def check_plan(plan: Plan, comp: Compilation) -> None:
         raise PlanMismatchError(f"the plan was made for mixed_precision={plan.mixed_precision!r}, this run resolves "
                                 f"Config(mixed_precision={ctx.config.mixed_precision!r}) on a {mesh.device_type} mesh "
                                 f"to {here!r}; pass Config(mixed_precision={plan.mixed_precision!r}) or re-plan")
+    if plan.microbatches != ctx.microbatches:
+        raise PlanMismatchError(f"the plan splits each batch into {plan.microbatches} microbatches, this capture "
+                                f"traced {ctx.microbatches}; capture with microbatches={plan.microbatches}")
     if plan.fingerprint == fingerprint(ctx):
         return
     cap = ctx.captured

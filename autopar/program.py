@@ -107,7 +107,7 @@ class Collective:
     """One collective the program issues: which graph, the node, the kind, the axes of its process group, the
     bytes it sends in, and the parameters or gradients of the bucket it carries (empty for one value)."""
 
-    graph: str  # "forward" | "backward"
+    graph: str  # "forward" | "backward" | "grad_sync"
     node: str
     kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all
     axes: str  # "tp", or "dp+tp" for a flattened group
@@ -134,7 +134,14 @@ class Program:
     returns `(loss, *outputs)`), each this rank's piece in its planned layout (TensorSpec), never differentiated.
 
     Eval programs (forward only) have an empty backward. `takes_seed`: forward takes the dropout step seed of
-    codegen/rng.py last (an int, or a 0-d int64 tensor in the functional form, `seed_as_tensor`)."""
+    codegen/rng.py last (an int, or a 0-d int64 tensor in the functional form, `seed_as_tensor`).
+
+    With several microbatches (`microbatches` > 1) the inputs are one microbatch's, `backward` returns each
+    gradient in the layout it is produced in (no collective), to be accumulated over the microbatches, and
+    `grad_sync(*accumulated gradients of the parameters in `synced`) -> (each in its parameter's layout)` runs
+    the gradient collectives once per step. `loss_reduction` says how microbatch losses add up
+    (autopar.microbatch.REDUCTIONS); with `returns_count` the forward's output ends with the loss's count
+    (after the other outputs, before the saved tensors), by which the microbatches are weighed."""
 
     plan: Plan
     rank: RankSpec
@@ -152,6 +159,23 @@ class Program:
     seed_as_tensor: bool = False
     forward_only: bool = False
     joint: Any = None  # the local joint graph before the split (codegen's LocalJoint), for debugging
+    microbatches: int = 1
+    grad_sync: fx.GraphModule | None = None
+    synced: list[str] = dataclasses.field(default_factory=list)
+    loss_reduction: str = "mean"
+    returns_count: bool = False
+    # A pipeline stage's program (plan.pipeline): its stage index, the activations it receives from the previous
+    # stage (forward inputs after `inputs`; the backward returns their gradients after the parameters') and
+    # those it sends to the next (the forward's first outputs, instead of the loss; empty for the last stage,
+    # which returns the loss and takes the loss's tangent).
+    stage: int | None = None
+    activations_in: list[TensorSpec] = dataclasses.field(default_factory=list)
+    activations_out: list[TensorSpec] = dataclasses.field(default_factory=list)
+    # Zero-bubble schedules (autopar/codegen/split_backward.py): `backward` split into
+    # backward_input(*saved, *tangents) -> (*input grads, *carried) and
+    # backward_weight(*saved, *tangents, *carried) -> (*param grads).
+    backward_input: fx.GraphModule | None = None
+    backward_weight: fx.GraphModule | None = None
 
     @property
     def param_names(self) -> list[str]:
@@ -163,7 +187,15 @@ class Program:
 
     def code(self) -> str:
         """The generated graphs as Python text."""
-        return f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
+        text = f"# forward\n{self.forward.code.strip()}\n\n# backward\n{self.backward.code.strip()}\n"
+        if self.backward_input is not None:
+            text += f"\n# backward_input (zero-bubble schedules: the input gradients first)\n" \
+                    f"{self.backward_input.code.strip()}\n\n# backward_weight (then the weight gradients)\n" \
+                    f"{self.backward_weight.code.strip()}\n"
+        if self.grad_sync is not None:
+            text += f"\n# grad_sync (once per step, after the last of {self.microbatches} microbatches)\n" \
+                    f"{self.grad_sync.code.strip()}\n"
+        return text
 
     def __str__(self) -> str:
         from autopar.inspect import format_program

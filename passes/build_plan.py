@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from autopar.passes import fp8_variants
 from autopar.passes.context import PassContext
-from autopar.plan import NodePlan, Plan, Transition
+from autopar.plan import NodePlan, PipelinePlan, Plan, Transition
 from autopar.redistribute import describe_steps, plan_steps
 
 N_ALTERNATIVES = 4
@@ -55,7 +55,8 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
         comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
-        batch_norms=_batch_norms(ctx), fp8=fp8_variants.summary(ctx, nodes))
+        batch_norms=_batch_norms(ctx), fp8=fp8_variants.summary(ctx, nodes), microbatches=ctx.microbatches,
+        pipeline=PipelinePlan(**ctx.pipeline.result) if ctx.pipeline is not None and ctx.pipeline.result else None)
     return gm
 
 

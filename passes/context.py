@@ -36,6 +36,13 @@ class PassContext:
     progress: Any = None
     deadline: float | None = None  # time.monotonic() by which planning ends (Config.solver_time_limit_s)
     min_inner: int = 1
+    # Microbatches per step: the graph is one microbatch's; compute and activation collectives run this many
+    # times per step, gradient collectives and the optimizer once (Config.microbatches).
+    microbatches: int = 1
+    # The mesh axis that splits the model into pipeline stages (autopar.mesh.PIPELINE_AXIS_NAMES), or None; and
+    # what passes/split_stages.py derives: node sides and stage memory before the solve, cuts and schedule after.
+    pipeline_axis: int | None = None
+    pipeline: Any = None
     # annotate_shapes
     key: dict[fx.Node, str] = dataclasses.field(default_factory=dict)
     members: dict[str, list[fx.Node]] = dataclasses.field(default_factory=dict)

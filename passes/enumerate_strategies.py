@@ -36,6 +36,9 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
         else:
             strats = _op_strategies(ctx, node, sizes)
         strats = _apply_act_pins(ctx, key, strats)
+        if ctx.pipeline_axis is not None:  # the pipeline axis splits the model into stages, never a tensor
+            strats = [s for s in strats if all(isinstance(lay[ctx.pipeline_axis], Replicate)
+                                               for lay in (*s.ins, *s.outs) if lay is not None)]
         if not strats:
             raise NoStrategyError(f"no legal placement for {key} ({node.target}) on mesh "
                                   f"{dict(zip(ctx.mesh.axis_names, sizes))}: its shapes do not divide by the "

@@ -82,6 +82,7 @@ def _build(ctx: PassContext) -> MemoryProfile:
             o = owner.get(a)
             if o is not None:
                 uses[o].append(pos[u])
+    factor = ctx.pipeline.factor if ctx.pipeline is not None else {}
     keys: list[str] = []
     col: dict[str, int] = {}
     act_bytes: dict[str, np.ndarray] = {}
@@ -99,7 +100,9 @@ def _build(ctx: PassContext) -> MemoryProfile:
             spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
         else:
             if cap.phase[o] == "fwd" and bwd:
-                w = _scale(ctx, o)[1]
+                # Kept for the backward: one copy per layer the template stands for, and under a pipeline
+                # one per microbatch a stage holds in flight (passes/split_stages.py).
+                w = _scale(ctx, o)[1] * factor.get(key, 1.0)
             spans = [(pos[o], max(uses[o], default=pos[o]))]
         events.extend((lo, hi, col[key], w) for lo, hi in spans)
     delta = np.zeros((len(nodes) + 1, len(keys)))
@@ -107,7 +110,10 @@ def _build(ctx: PassContext) -> MemoryProfile:
         delta[lo, c] += w
         delta[hi + 1, c] -= w
     weight = np.cumsum(delta, axis=0)[:len(nodes)]
-    return MemoryProfile(keys, act_bytes, _static(ctx), weight)
+    static = _static(ctx)
+    for k in static:  # a pipeline rank stores only its stage's parameters
+        static[k] = static[k] * factor.get(k, 1.0)
+    return MemoryProfile(keys, act_bytes, static, weight)
 
 
 def _static(ctx: PassContext) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ import torch.fx as fx
 from autopar.cost import tensor_bytes
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, step_costs
+from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
 from autopar.passes.memory_profile import memory_profile
 from autopar.rules.base import flat_tensor_args, op_info
 from autopar.strategy import FP8_TENSORWISE_AG
@@ -62,6 +62,8 @@ def simulate(ctx: PassContext) -> Simulation:
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
     moved: dict[tuple, float] = {}  # (value, layout, phase) -> when the redistributed copy is ready
+    m = ctx.microbatches
+    deferred: list[tuple] = []
 
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
@@ -135,10 +137,23 @@ def simulate(ctx: PassContext) -> Simulation:
             pkey = ctx.key[cap.params[fqn]]
             meta = node.meta["val"]
             val = meta[idx] if isinstance(meta, (list, tuple)) else meta
-            comm(tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0],
-                 compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
+            grad = (tuple(val.shape), ctx.precision.grad_dtype, strat.outs[idx], ctx.chosen(pkey).outs[0])
+            if m > 1:  # reduced once per step, after the last microbatch (codegen's grad_sync graph)
+                deferred.append((grad, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}"))
+                continue
+            comm(*grad, compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
     opt = _optimizer_time(ctx)
     step = max([compute_free] + axis_free) + opt
+    if m > 1:
+        # m microbatches back to back, then the gradient reductions, then the optimizer step.
+        span = step - opt
+        total_compute, total_comm = m * total_compute, m * total_comm
+        for table in (comm_axis, comm_bytes, node_time):
+            for k in table:
+                table[k] *= m
+        for grad, scale, label in deferred:
+            comm(*grad, span, scale, label, bucketed=True)
+        step = (m - 1) * span + max([span] + axis_free) + opt
     memory, peak = _memory(ctx)
     top = sorted(node_time.items(), key=lambda kv: -kv[1])[:15]
     return Simulation(step_time=step, compute_time=total_compute, comm_time=total_comm,
@@ -179,8 +194,31 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     grad_b = trained * torch.tensor([], dtype=p.grad_dtype).element_size()
     opt_b = trained * p.optimizer_state_bytes_per_param
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
-    static = param_b + grad_b + opt_b + master
+    accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
+    static = param_b + grad_b + opt_b + master + accumulation
     peak = memory_profile(ctx).peak(ctx.choice)[1]
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
+    if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
+        from autopar.passes.split_stages import stage_memory
+
+        return stage_memory(ctx, mem, peak)
+    if accumulation:
+        mem["grad_accumulation"] = int(accumulation)
     return mem, int(static + peak)
+
+
+def _accumulation_bytes(ctx: PassContext) -> float:
+    """Gradients accumulate over microbatches in the layout they are produced in and are reduced once per step
+    into the gradient buffers (counted under "grads"), which are empty until then (zero_grad sets them to
+    None): what a produced layout holds beyond its parameter's (a full-size Partial gradient of an FSDP shard)
+    is the extra."""
+    total = 0.0
+    for fqn, g in ctx.captured.grads.items():
+        u, idx = producer(g)
+        pnode = ctx.captured.params[fqn]
+        lay, plain = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
+        shape, dtype = tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype
+        extra = local_bytes(shape, dtype, lay, ctx.mesh.shape) - local_bytes(shape, dtype, plain, ctx.mesh.shape)
+        total += max(0, extra) * _scale(ctx, pnode)[1]
+    return total

@@ -26,25 +26,32 @@ def _root(ctx: PassContext, key: str) -> tuple[str, list[int] | None]:
 def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
-    compute = {k: list(ctx.compute_cost[k]) for k in n}
+    # With microbatches, ops and their activation collectives run once per microbatch; a parameter's optimizer
+    # step and its gradient's reduction once per step.
+    m = ctx.microbatches
+    compute = {k: [c if k.startswith("param/") else m * c for c in ctx.compute_cost[k]] for k in n}
     for key, (root, idx) in ctx.follow.items():
         for i, j in enumerate(idx):
-            compute[root][i] += ctx.compute_cost[key][j]
+            compute[root][i] += m * ctx.compute_cost[key][j]
     edges = []
     exposed = _exposed_grad(ctx)
     for e, c, group in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges)):
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
+        cost = [[m * v for v in row] for row in c.cost] if m > 1 else c.cost
         if e.kind == "loss":
-            edges.append(IlpEdge(src, None, src_index, None, c.cost))
+            edges.append(IlpEdge(src, None, src_index, None, cost))
             continue
         dst, dmap = _root(ctx, e.dst)
         dst_index = c.dst_index if dmap is None else [c.dst_index[j] for j in dmap]
-        if e.kind == "grad":
-            cost, layered = exposed(e, c)
-            edges.append(IlpEdge(src, dst, src_index, dst_index, cost, axis_cost=c.axis_cost, layered=layered))
+        if e.kind == "grad" and m > 1:
+            # Reduced once, after the last microbatch's backward: nothing is left to hide it behind.
+            edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, axis_cost=c.axis_cost))
+        elif e.kind == "grad":
+            grad_cost, layered = exposed(e, c)
+            edges.append(IlpEdge(src, dst, src_index, dst_index, grad_cost, axis_cost=c.axis_cost, layered=layered))
         else:
-            edges.append(IlpEdge(src, dst, src_index, dst_index, c.cost, group, contends=_contends(ctx, e, c)))
+            edges.append(IlpEdge(src, dst, src_index, dst_index, cost, group, contends=_contends(ctx, e, c)))
     sc = ctx.config.solver
     return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
                       memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)

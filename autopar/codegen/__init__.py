@@ -16,7 +16,27 @@ from autopar.plan import Plan
 from autopar.program import Collective, Program, TensorSpec
 
 
-def generate(plan: Plan, cap: Captured, rank: RankSpec) -> Program:
+def generate_stages(plan: Plan, cap: Captured, rank: RankSpec, stages: list[int] | None = None) -> list[Program]:
+    """A pipelined plan's stage Programs (autopar/codegen/stages.py): those of `stages`, by default the ones
+    this rank's pipeline coordinate runs."""
+    from autopar.codegen.stages import cut_stages
+
+    pp = plan.pipeline
+    if stages is None:
+        axis = plan.mesh.axis_names.index(pp.axis)
+        stages = [s for s, r in enumerate(pp.stage_ranks) if r == rank.coords[axis]]
+    from autopar.codegen.split_backward import split_backward
+    from autopar.cost.pipeline import splits_backward
+
+    cuts = cut_stages(cap, plan)
+    programs = [generate(cuts[s].plan, cuts[s].captured, rank, stage=s) for s in stages]
+    for prog in programs:  # zero-bubble schedules run input gradients first, weight gradients later
+        if splits_backward(pp.schedule) and prog.activations_in:
+            prog.backward_input, prog.backward_weight = split_backward(prog.backward, len(prog.params))
+    return programs
+
+
+def generate(plan: Plan, cap: Captured, rank: RankSpec, stage: int | None = None) -> Program:
     """Lower `cap` under `plan` for one rank and split it into forward and backward graphs."""
     joint = lower(plan, cap, rank)
     parts = split(joint)
@@ -31,17 +51,29 @@ def generate(plan: Plan, cap: Captured, rank: RankSpec) -> Program:
     inputs = [spec(cap.names[n], n, local, int(getattr(n.meta.get("desc"), "idx", i)))
               for i, (n, local) in enumerate(zip(cap.inputs, joint.inputs))]
     forward_only = not any(g is not None for g in cap.grads.values())
-    out_locals = next(n for n in parts.forward.graph.nodes if n.op == "output").args[0][1 + len(joint.updates):]
+    fwd_out = next(n for n in parts.forward.graph.nodes if n.op == "output").args[0]
+    out_locals = fwd_out[joint.n_heads + len(joint.updates):]
+    acts_in = [TensorSpec(cap.names[n], tuple(int(x) for x in n.meta["val"].shape),
+                          tuple(int(x) for x in local.meta["val"].shape), n.meta["val"].dtype,
+                          tuple(joint.layouts[local.name])) for n, local in zip(cap.stage_inputs, joint.stage_inputs)]
+    acts_out = [TensorSpec(cap.names[n], tuple(int(x) for x in n.meta["val"].shape),
+                           tuple(int(x) for x in local.meta["val"].shape), n.meta["val"].dtype,
+                           tuple(_layout_of(plan, cap, n))) for n, local in zip(cap.stage_outputs, fwd_out)]
     outputs = [TensorSpec(cap.names[n], tuple(int(s) for s in n.meta["val"].shape),
                           tuple(int(s) for s in local.meta["val"].shape), n.meta["val"].dtype,
                           tuple(_layout_of(plan, cap, n)))
                for n, local in zip(cap.outputs, out_locals)]
+    sync = joint.grad_sync
     return Program(plan=plan, rank=rank, forward=parts.forward, backward=parts.backward, params=params,
                    buffers=buffers, inputs=inputs, saved=parts.saved, recomputed=parts.recomputed,
                    collectives=[*program_collectives(parts.forward, "forward", rank),
-                                *program_collectives(parts.backward, "backward", rank)],
+                                *program_collectives(parts.backward, "backward", rank),
+                                *(program_collectives(sync, "grad_sync", rank) if sync is not None else [])],
                    buffer_updates=list(joint.updates), outputs=outputs,
-                   takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint)
+                   takes_seed=joint.rng_seed is not None, forward_only=forward_only, joint=joint,
+                   microbatches=plan.microbatches, grad_sync=sync, synced=list(joint.synced),
+                   loss_reduction=cap.loss_reduction, returns_count=joint.count, stage=stage,
+                   activations_in=acts_in, activations_out=acts_out)
 
 
 def functional(program: Program) -> Program:
@@ -50,8 +82,10 @@ def functional(program: Program) -> Program:
     step seed as a 0-d int64 tensor."""
     from autopar.codegen import schedule
 
+    sync = schedule.functional(program.grad_sync) if program.grad_sync is not None else None
     return dataclasses.replace(program, forward=schedule.functional(program.forward),
-                               backward=schedule.functional(program.backward), seed_as_tensor=program.takes_seed)
+                               backward=schedule.functional(program.backward), grad_sync=sync,
+                               seed_as_tensor=program.takes_seed)
 
 
 def _layout_of(plan: Plan, cap: Captured, node: fx.Node) -> tuple:
@@ -93,5 +127,5 @@ def collectives(gm, rank: RankSpec | None = None) -> list[tuple[str, str]]:
     return out
 
 
-__all__ = ["CodegenError", "RankSpec", "LocalJoint", "Program", "generate", "lower", "split", "collectives",
-           "functional"]
+__all__ = ["CodegenError", "RankSpec", "LocalJoint", "Program", "generate", "generate_stages", "lower", "split",
+           "collectives", "functional"]

@@ -12,8 +12,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
-from autopar.codegen.collectives import (BUCKET_META, GatherBucket, bucketed_all_reduce, bucketed_reduce_scatter,
-                                        checked_steps, emit_bucket_issue, emit_bucket_wait, redistribute)
+from autopar.codegen.collectives import (BUCKET_META, GatherBucket, checked_steps, emit_bucket_issue,
+                                        emit_bucket_wait, redistribute)
+from autopar.codegen.grad_sync import bucketed, grad_sync_graph, sync_grads
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.codegen import rng
@@ -23,10 +24,6 @@ from autopar.plan import NodePlan, Plan
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
-# Gradient buckets as DDP's defaults: the first holds 1 MiB (so a reduction starts early in backward), the
-# others 25 MiB.
-BUCKET_BYTES = 25 * 2**20
-FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclasses.dataclass
@@ -51,6 +48,19 @@ class LocalJoint:
     recompute: set[fx.Node] = dataclasses.field(default_factory=set)
     updates: list[str] = dataclasses.field(default_factory=list)  # buffers the step updates, in output order
     n_outputs: int = 0  # outputs besides the loss (returned in their producers' layouts), last in the output
+    # Several microbatches (plan.microbatches > 1): the gradients leave in the layouts they are produced in, to
+    # be accumulated over the microbatches, and `grad_sync` takes the accumulated ones (of the parameters in
+    # `synced`, in that order) to their parameters' layouts, once per step. `count`: the output ends with the
+    # loss's count, replicated (loss_reduction "count"), which weighs the microbatches.
+    grad_sync: fx.GraphModule | None = None
+    synced: list[str] = dataclasses.field(default_factory=list)
+    count: bool = False
+    # A pipeline stage: the activations it receives (placeholders after the inputs); the output starts with
+    # the n_heads activations it sends (instead of the loss), and the grads are followed by n_input_grads
+    # gradients of its received activations.
+    stage_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
+    n_heads: int = 1
+    n_input_grads: int = 0
 
     @property
     def code(self) -> str:
@@ -77,6 +87,7 @@ class _Lowering:
         self.gathered: dict[tuple, fx.Node] = {}  # (param, layout) -> the param's local value in that layout
         self.param_cache: dict[tuple, fx.Node] = {}  # (local value, layout) -> it redistributed
         self.fp8 = Fp8Lowering(self)
+        self.deferred: list[str] = []  # parameters whose gradient reductions grad_sync runs (microbatches)
 
     # --- plan lookups ----------------------------------------------------------------------------------
     def node_plan(self, node: fx.Node) -> NodePlan:
@@ -98,7 +109,7 @@ class _Lowering:
     # --- building ----------------------------------------------------------------------------------------
     def run(self) -> LocalJoint:
         cap = self.cap
-        params, buffers, inputs, tangents, layouts = {}, {}, [], [], {}
+        params, buffers, inputs, tangents, layouts, stage_inputs = {}, {}, [], [], {}, []
         kinds = {n: ("param", f) for f, n in cap.params.items()}
         kinds.update({n: ("buffer", f) for f, n in cap.buffers.items()})
         nodes = list(cap.gm.graph.nodes)
@@ -114,6 +125,8 @@ class _Lowering:
                 buffers[what] = new
             elif node in cap.tangents:
                 tangents.append(new)
+            elif node in cap.stage_inputs:
+                stage_inputs.append(new)
             else:
                 inputs.append(new)
         self.rng_seed = None
@@ -133,8 +146,14 @@ class _Lowering:
                 self._output()
         gm = self.b.module()
         params = {f: params[f] for f in cap.params}
-        return LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
-                          self.b.recompute, list(cap.mutations), len(cap.outputs))
+        joint = LocalJoint(gm, self.b.phase, params, buffers, inputs, tangents, layouts, self.rng_seed,
+                           self.b.recompute, list(cap.mutations), len(cap.outputs), stage_inputs=stage_inputs,
+                           n_heads=len(cap.stage_outputs) or 1, n_input_grads=len(cap.input_grads))
+        if self.deferred:
+            joint.synced = list(self.deferred)
+            joint.grad_sync = self._grad_sync_graph()
+            joint.count = cap.loss_reduction == "count" and not cap.stage_outputs
+        return joint
 
     def _placeholder(self, node: fx.Node) -> fx.Node:
         name = re.sub(r"[^0-9a-zA-Z_]", "_", self.cap.names[node].split("/", 1)[1]).strip("_")
@@ -351,47 +370,36 @@ class _Lowering:
 
     def _output(self) -> None:
         cap = self.cap
-        loss = self._arg(cap.loss, tuple(Replicate() for _ in self.rank.axis_sizes), "fwd", "the loss")
+        replicated = tuple(Replicate() for _ in self.rank.axis_sizes)
+        # A stage that is not the last sends its activations on, as laid out where they are computed.
+        heads = [self.env[v] for v in cap.stage_outputs] or [self._arg(cap.loss, replicated, "fwd", "the loss")]
         before = set(self.b.graph.nodes)
-        grads: dict[str, fx.Node | None] = {}
-        buckets: dict[tuple, list[tuple[str, fx.Node, int]]] = {}
-        for fqn, pnode in cap.params.items():
-            g = cap.grads.get(fqn)
-            if g is None:
-                grads[fqn] = None
-                continue
-            steps = checked_steps(self.layout_of(g), self.layout_of(pnode))
-            axes = _bucketed(steps)
-            if axes is not None:
-                # Data-parallel (all-reduce, over one axis or several) and FSDP (reduce-scatter) gradients go
-                # in buckets, as DDP and FSDP do, not one collective each.
-                key = (steps[0].kind, axes, self.env[g].meta["val"].dtype)
-                buckets.setdefault(key, []).append((fqn, self.env[g], steps[0].dim))
-            else:
-                grads[fqn] = self._arg(g, self.layout_of(pnode), "bwd", f"the gradient of {fqn}")
-        for (kind, axis, _), items in buckets.items():
-            # Gradients appear last layer first: fill buckets in that order so the first can start early.
-            if kind == "all_reduce":
-                grads.update(bucketed_all_reduce(self.b, [(f, x) for f, x, _ in items[::-1]], axis, self.rank,
-                                                 BUCKET_BYTES, FIRST_BUCKET_BYTES))
-            else:
-                grads.update(bucketed_reduce_scatter(self.b, items[::-1], axis, self.rank, BUCKET_BYTES))
+        local = {fqn: self.env[g] for fqn, g in cap.grads.items() if g is not None}
+        if self.plan.microbatches > 1:
+            # Accumulated over the microbatches where they are produced; reduced once per step (grad_sync).
+            grads = {fqn: local.get(fqn) for fqn in cap.params}
+            self.deferred = [fqn for fqn in cap.params if fqn in local]
+        else:
+            grads = {fqn: None for fqn in cap.params}
+            grads.update(self._sync_grads(local))
         for n in self.b.graph.nodes:
             if n not in before:
                 n.meta[GRAD_SYNC] = True  # partition issues these as soon as their gradient is ready
         updates = [self._arg(v, self.layout_of(cap.buffers[fqn]), "fwd", f"the new value of buffer {fqn}")
                    for fqn, v in cap.mutations.items()]
-        self.b.output((loss, *(grads[f] for f in cap.params), *updates, *(self.env[o] for o in cap.outputs)))
+        count = []
+        if self.plan.microbatches > 1 and cap.loss_reduction == "count" and not cap.stage_outputs:
+            count = [self._arg(cap.loss_count, replicated, "fwd", "the loss count")]
+        input_grads = [self._arg(g, self.layout_of(a), "bwd", f"the gradient of the received {cap.names[a]}")
+                       for g, a in zip(cap.input_grads, cap.stage_inputs)]
+        self.b.output((*heads, *(grads[f] for f in cap.params), *input_grads, *updates,
+                       *(self.env[o] for o in cap.outputs), *count))
 
+    def _sync_grads(self, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
+        return sync_grads(self, local)
 
-def _bucketed(steps) -> tuple[int, ...] | int | None:
-    """For a gradient reduced in buckets, the axes of its sum all-reduces (a tuple) or the axis of its
-    sum reduce-scatter (an int); None for any other redistribution."""
-    if steps and all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
-        return tuple(st.axis for st in steps)
-    if len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum":
-        return steps[0].axis
-    return None
+    def _grad_sync_graph(self) -> fx.GraphModule:
+        return grad_sync_graph(self)
 
 
 def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]]:
@@ -401,7 +409,7 @@ def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]
     out = set()
     for fqn, pnode in cap.params.items():
         g = cap.grads.get(fqn)
-        axes = None if g is None else _bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
+        axes = None if g is None else bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
         if isinstance(axes, tuple) and len(axes) > 1:
             out.add(tuple(sorted(axes)))
     return out

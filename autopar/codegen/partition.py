@@ -44,8 +44,8 @@ def split(joint: LocalJoint) -> Split:
     tangents = set(joint.tangents)
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
-    n_tail = len(joint.updates) + joint.n_outputs
-    loss, grads, tail = outs[0], outs[1:len(outs) - n_tail], outs[len(outs) - n_tail:]
+    n_tail = len(joint.updates) + joint.n_outputs + int(joint.count)
+    heads, grads, tail = outs[:joint.n_heads], outs[joint.n_heads:len(outs) - n_tail], outs[len(outs) - n_tail:]
 
     recomputable: set[fx.Node] = set()
     for n in graph.nodes:
@@ -86,7 +86,7 @@ def split(joint: LocalJoint) -> Split:
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 
-    fwd = _forward_graph(joint, loss, tail, saved)
+    fwd = _forward_graph(joint, heads, tail, saved)
     bwd = _backward_graph(joint, saved, recompute, live_bwd, grads)
     issue_input_collectives_early(fwd.graph, {n.name for n in joint.inputs})
     for gm in (fwd, bwd):
@@ -121,19 +121,20 @@ def _copy(dst: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
     return new
 
 
-def _forward_graph(joint: LocalJoint, loss: fx.Node, tail: list[fx.Node], saved: list[fx.Node]) -> fx.GraphModule:
-    """(params, buffers, inputs[, seed]) -> (loss, *tail, *saved): `tail` holds the buffers' new values and the
-    other outputs."""
+def _forward_graph(joint: LocalJoint, heads: list[fx.Node], tail: list[fx.Node],
+                   saved: list[fx.Node]) -> fx.GraphModule:
+    """(params, buffers, inputs, stage inputs[, seed]) -> (loss or a stage's activations, *tail, *saved): `tail`
+    holds the buffers' new values, the other outputs and, with several microbatches, the loss's count."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     seed = [joint.rng_seed] if joint.rng_seed is not None else []
-    for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs, *seed]:
+    for p in [*joint.params.values(), *joint.buffers.values(), *joint.inputs, *joint.stage_inputs, *seed]:
         _copy(g, p, env)
-    live = _ancestors([loss, *tail, *saved], stop=lambda n: n.op == "placeholder")
+    live = _ancestors([*heads, *tail, *saved], stop=lambda n: n.op == "placeholder")
     for n in joint.gm.graph.nodes:
         if n in live and n.op in ("call_function", "get_attr"):
             _copy(g, n, env)
-    g.output((env[loss], *[env[u] for u in tail], *[env[s] for s in saved]))
+    g.output((*[env[h] for h in heads], *[env[u] for u in tail], *[env[s] for s in saved]))
     return fx.GraphModule(joint.gm, g)  # the joint module holds the constants get_attr nodes read
 
 

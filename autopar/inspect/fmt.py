@@ -180,6 +180,8 @@ def pipeline_info(plan: Any) -> dict | None:
     """The plan's pipeline description ({"stages": n, "schedule": ..., "timeline": [(stage, label, start, end)]}),
     or None when the plan has no pipeline stages."""
     info = getattr(plan, "pipeline", None) or plan.solver_stats.get("pipeline")
+    if info is not None and not isinstance(info, dict):
+        info = info.to_json()
     if isinstance(info, dict) and int(info.get("stages", 1) or 1) > 1:
         return info
     return None

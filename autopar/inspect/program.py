@@ -36,6 +36,15 @@ def _header(program: Any) -> Table:
     groups = ", ".join(f"{a}: {n}" for a, n in zip(rank.axis_names, rank.group_names))
     g.add_row("groups", groups)
     g.add_row("step", "forward only (eval)" if program.forward_only else "forward + backward")
+    m = getattr(program, "microbatches", 1)
+    if getattr(program, "stage", None) is not None:
+        pp = plan.pipeline
+        recv = ", ".join(f"{a.name} {list(a.local_shape)}" for a in program.activations_in) or "the inputs"
+        send = ", ".join(f"{a.name} {list(a.local_shape)}" for a in program.activations_out) or "the loss"
+        g.add_row("stage", f"{program.stage} of {pp.stages} ({pp.schedule}, {m} microbatches): receives {recv}, "
+                           f"sends {send}")
+    elif m > 1:
+        g.add_row("microbatches", f"{m}: gradients accumulate, grad_sync reduces them once per step")
     held = sum(math.prod(p.local_shape) for p in program.params)
     total = sum(math.prod(p.shape) for p in program.params)
     g.add_row("parameters", f"{fmt_count(held)} of {fmt_count(total)} elements held here "

@@ -243,13 +243,51 @@ def _fp8_section(plan: Any) -> tuple:
     return "FP8", _table(["node", "op", "compute"], rows), []
 
 
+_KIND_COLORS = {"F": "#4c72b0", "B": "#c44e52", "I": "#dd8452", "W": "#55a868"}
+
+
+def pipeline_figure(timeline: list, title: str) -> Figure | None:
+    """Gantt chart of a pipeline step: one row per pipeline rank, forward (blue), full backward (red), backward
+    for inputs (orange) and for weights (green) of each stage and microbatch, labeled `<stage><kind><mb>`."""
+    if not timeline:
+        return None
+    def rank(lane: str) -> tuple:
+        last = lane.rsplit(" ", 1)[-1]
+        return (0, int(last), lane) if last.isdigit() else (1, 0, lane)
+
+    timeline = [[str(r[0]), str(r[1]), r[2], r[3]] for r in timeline]
+    lanes = sorted({r[0] for r in timeline}, key=rank)
+    fig = Figure(figsize=(11, 0.9 + 0.45 * len(lanes)))
+    ax = fig.subplots()
+    scale, unit = time_unit(max(r[3] for r in timeline))
+    for i, lane in enumerate(lanes):
+        for kind, color in _KIND_COLORS.items():
+            spans = [(r[2] * scale, (r[3] - r[2]) * scale) for r in timeline
+                     if r[0] == lane and kind in r[1].lstrip("0123456789")[:1]]
+            if spans:
+                ax.broken_barh(spans, (i - 0.4, 0.8), color=color, edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
 def _pipeline_section(plan: Any) -> tuple:
     info = pipeline_info(plan)
     if info is None:
         return "Pipeline", '<p class="none">No pipeline stages in this plan.</p>', []
-    text = _table(["", ""], [[k, str(v)] for k, v in info.items() if k != "timeline"])
-    fig = timeline_figure(info.get("timeline") or [], "pipeline schedule") if info.get("timeline") else None
-    return "Pipeline", text, [("pipeline", fig)]
+    rows = [[k, str(v)] for k, v in info.items() if k not in ("timeline", "schedules")]
+    text = _table(["", ""], rows)
+    if info.get("schedules"):
+        text += _table(["schedule", "virtual stages", "step", "bubble", "peak memory", "fits"],
+                       [[s["schedule"], str(s["virtual_stages"]), fmt_time(s["step_time_s"]),
+                         f"{s['bubble_fraction']:.1%}", fmt_bytes(s["peak_memory"]), str(s["fits"])]
+                        for s in info["schedules"]])
+    title = (f"{info.get('schedule')}: {info.get('stages')} stages on {info.get('ranks')} ranks, "
+             f"{info.get('microbatches')} microbatches (F forward, B backward, I/W input/weight gradients)")
+    return "Pipeline", text, [("pipeline", pipeline_figure(info.get("timeline") or [], title))]
 
 
 def _simulation_section(plan: Any) -> tuple:

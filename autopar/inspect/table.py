@@ -188,6 +188,7 @@ def format_summary(plan: Any) -> str:
         lines.append(f"  solver: {gap_text(plan)}")
     if fp8_line(plan):
         lines.append(f"  fp8: {fp8_line(plan)}")
+    lines.extend(_pipeline_lines(plan))
     if plan.batch_norms:
         kinds: dict[str, int] = {}
         for how in plan.batch_norms.values():
@@ -200,6 +201,29 @@ def format_summary(plan: Any) -> str:
         shown = ", ".join(_short(k, plan) for k in keys[:4]) + (f", +{len(keys) - 4} more" if len(keys) > 4 else "")
         lines.append(f"  {lay}: {shown}")
     return "\n".join(lines) + "\n"
+
+
+def _pipeline_lines(plan: Any) -> list[str]:
+    pp = getattr(plan, "pipeline", None)
+    m = getattr(plan, "microbatches", 1)
+    if pp is None:
+        return [f"  microbatches: {m} per step, gradients reduced once"] if m > 1 else []
+    per = f", {pp.virtual_stages} per rank" if pp.virtual_stages > 1 else ""
+    stages = " | ".join(_span(mods) for mods in pp.stage_modules)
+    return [f"  pipeline: {pp.stages} stages over {pp.axis}={pp.ranks}{per}, {pp.schedule}, {pp.microbatches} "
+            f"microbatches, bubble {pp.bubble_fraction:.0%}",
+            f"  stages: {stages}"]
+
+
+def _span(modules: list[str]) -> str:
+    """Module names of one stage, its run of layers shortened to the first and last (`layers.0..7`)."""
+    layers = [m for m in modules if m.rsplit(".", 1)[-1].isdigit()]
+    if len(layers) < 2:
+        return ", ".join(modules)
+    run = f"{layers[0]}..{layers[-1].rsplit('.', 1)[-1]}"
+    before = [m for m in modules[:modules.index(layers[0])]]
+    after = [m for m in modules[modules.index(layers[-1]) + 1:]]
+    return ", ".join([*before, run, *after])
 
 
 def _short(key: str, plan: Any) -> str:

@@ -26,12 +26,12 @@ class _Runner:
     each on its first call, from their functional form (autopar.codegen.functional)."""
 
     def __init__(self, program: Program, device_type: str, compile: bool = False):
+        graphs = (program.forward, program.backward, program.grad_sync)
         if compile:
             program = functional(program)
-            self._graphs = tuple(torch.compile(g, dynamic=False, fullgraph=True)
-                                 for g in (program.forward, program.backward))
-        else:
-            self._graphs = program.forward, program.backward
+            graphs = (program.forward, program.backward, program.grad_sync)
+            graphs = tuple(g if g is None else torch.compile(g, dynamic=False, fullgraph=True) for g in graphs)
+        self._graphs = graphs
         self.program = program
         self.seed_as_tensor = program.seed_as_tensor
         self._device_type = device_type
@@ -40,21 +40,28 @@ class _Runner:
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor | None, tuple]:
         """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
-        module does), and returns the loss, the other outputs (local pieces) and the tensors saved for
-        backward."""
+        module does), and returns the loss, the other outputs (local pieces), the loss's count (programs of
+        several microbatches whose loss is a ratio; else None) and the tensors saved for backward."""
         with torch.autocast(self._device_type, enabled=False):
             out = self._graphs[0](*args)
         k, m = len(self._updated), len(self.program.outputs)
+        c = int(self.program.returns_count)
         with torch.no_grad():
             for i, new in zip(self._updated, out[1:1 + k]):
                 args[i].copy_(new)
-        return out[0], tuple(out[1 + k:1 + k + m]), out[1 + k + m:]
+        count = out[1 + k + m] if c else None
+        return out[0], tuple(out[1 + k:1 + k + m]), count, out[1 + k + m + c:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
             return self._graphs[1](*args)
+
+    def grad_sync(self, *grads: torch.Tensor):
+        """The gradient collectives of a step of several microbatches (Program.grad_sync)."""
+        with torch.autocast(self._device_type, enabled=False):
+            return self._graphs[2](*grads)
 
 
 class _TrainStep(torch.autograd.Function):
@@ -67,7 +74,7 @@ class _TrainStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         params = flat[:n_params]
-        loss, outputs, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
+        loss, outputs, _, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
         ctx.runner = runner
         ctx.params = params
         ctx.n_rest = len(flat) - n_params
@@ -94,6 +101,8 @@ class Built:
     buffers: dict[str, DTensor]
     build_eval_program: Callable[[tuple, dict], Program]
     program_of_rank: Callable[[int], Program] | None = None
+    # A pipelined plan: the Programs of the stages this rank runs (`program` is the first of them).
+    stages: list[Program] | None = None
 
 
 class ParallelModule(nn.Module):
@@ -158,6 +167,18 @@ class ParallelModule(nn.Module):
         program.backward.to(self._device)
         self._program, self.plan = program, program.plan
         self._runner = _Runner(program, self.mesh.device_type, self._compile)
+        self._pipeline = None
+        if self._compile and program.microbatches > 1:
+            raise ValueError(f"parallelize(compile=True) does not compile plans of several microbatches or pipeline "
+                             f"stages yet (this plan has {program.microbatches} microbatches): pass compile=False, or "
+                             "plan with Config(microbatches=1) on a mesh without a pipeline axis")
+        if built.stages:
+            from autopar.runtime.pipeline import PipelineRunner
+
+            for prog in built.stages:
+                prog.forward.to(self._device)
+                prog.backward.to(self._device)
+            self._pipeline = PipelineRunner(built.stages, self.mesh, self._device)
         self._build_eval_program, self._program_of_rank = built.build_eval_program, built.program_of_rank
         self._build = None
 
@@ -184,13 +205,28 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         prog = self._planned(args, kwargs)
         if not self.training:
+            if prog.stage is not None:
+                raise ValueError("eval mode of a pipelined plan is not supported yet: each rank holds only its "
+                                 "stages' parameters; evaluate with pm.train() and torch.no_grad() unavailable "
+                                 "too, so plan an eval model without a pipeline axis")
             return self._evaluate(args, kwargs)
+        if prog.stage is not None:
+            raise ValueError(f"the plan runs {prog.plan.pipeline.stages} pipeline stages "
+                             f"({prog.plan.pipeline.schedule}, {prog.microbatches} microbatches): train with "
+                             "`loss = pm.step(*inputs, **kwargs)`, which runs the schedule over every microbatch and "
+                             "returns the batch's loss on every rank")
+        if prog.microbatches > 1:
+            raise ValueError(f"the plan splits each batch into {prog.microbatches} microbatches "
+                             f"(plan.microbatches): train with `loss = pm.step(*inputs, **kwargs)`, which runs "
+                             "the forward and backward of every microbatch, reduces the gradients once and returns "
+                             "the batch's loss; `loss = pm(...); loss.backward()` needs a plan of one microbatch "
+                             "(Config(microbatches=1)). Eval mode (pm.eval()) runs pm(...) as usual")
         inputs = self._local_inputs(args, kwargs)
         params = [self.get_parameter(f) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         seed = self._next_seed(prog, self._runner.seed_as_tensor)
         if not torch.is_grad_enabled():
-            loss, outputs, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
+            loss, outputs, _, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
                                                     *seed)
         else:
             loss, *outputs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
@@ -239,6 +275,11 @@ class ParallelModule(nn.Module):
             raise ValueError("this ParallelModule was built without a way to generate other ranks' programs")
         return self._program_of_rank(rank)
 
+    def stage_programs(self) -> list[Program]:
+        """A pipelined plan's Programs of the stages this rank runs (a plan without a pipeline: its one Program)."""
+        prog = self._require_program()
+        return list(self._pipeline.programs) if self._pipeline is not None else [prog]
+
     def eval_program(self, *args: Any, **kwargs: Any) -> Program:
         """The forward-only Program (with its `.plan`) that eval-mode calls with inputs like these run; built
         on first use, so call it on every rank."""
@@ -261,7 +302,7 @@ class ParallelModule(nn.Module):
         params = [compat.dtensor_local(self.get_parameter(f)) for f in prog.param_names]
         buffers = [_local(self.get_buffer(f)) for f in prog.buffer_names]
         with torch.no_grad():
-            loss, outputs, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
+            loss, outputs, _, _ = runner.forward(*params, *buffers, *inputs, *self._next_seed(prog))
         return self._result(prog, loss, outputs)
 
     def _eval_input(self, x: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -273,15 +314,30 @@ class ParallelModule(nn.Module):
         return local_shard(x, layout, self._coords, self._sizes).to(self._device).contiguous()
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Forward and backward (grads accumulate into `.grad`); returns the detached loss."""
-        loss = self(*args, **kwargs)
+        """One training step's forward and backward over the global batch: gradients accumulate into `.grad`
+        (as `loss.backward()` does; the optimizer step stays the caller's) and the detached loss of the whole
+        batch is returned on every rank. With several microbatches (plan.microbatches) it runs each one's
+        forward and backward in turn and reduces the gradients once (autopar/runtime/accumulate.py)."""
+        prog = self._planned(args, kwargs)
+        if self._pipeline is not None and self.training:
+            return self._pipeline.step(self, args, kwargs)
+        if prog.microbatches > 1 and self.training:
+            from autopar.runtime.accumulate import step_microbatches
+
+            return step_microbatches(self, prog, self._runner, args, kwargs)
+        out = self(*args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         return loss.detach()
 
-    def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _step_seeds(self, program: Program, m: int) -> list[list]:
+        """The dropout step seeds of a step's m microbatches (one list per microbatch, empty without dropout)."""
+        return [self._next_seed(program) for _ in range(m)]
+
+    def _local_inputs(self, args: tuple, kwargs: dict, program: Program | None = None) -> list[torch.Tensor]:
         leaves = compat.tree_leaves((args, kwargs))
         out = []
-        for i, spec in enumerate(self._program.inputs):
+        for i, spec in enumerate((program or self._program).inputs):
             leaf_idx, shape, dtype, layout = spec.leaf, spec.shape, spec.dtype, spec.layout
             if leaf_idx >= len(leaves):
                 raise ValueError(f"the model was planned with at least {leaf_idx + 1} inputs (args then kwargs), "
@@ -313,6 +369,9 @@ class ParallelModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent parameter and buffer as a full (unsharded) tensor; collective over the mesh."""
+        if getattr(self, "_pipeline", None) is not None:
+            raise ValueError("full_state_dict of a pipelined plan is not supported yet: each rank holds only its "
+                             "stages' parameters (pm.stage_programs() lists them)")
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
                 for k, v in self.state_dict(keep_vars=True).items()}
 
