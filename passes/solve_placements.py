@@ -119,7 +119,38 @@ def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:
         points = [i for i in points if static_max + float(prof.weight[i] @ term_max) > limit]
     weights = [{t: float(w) for t, w in enumerate(prof.weight[i]) if w} for i in points]
     static = {k: [float(x) for x in v] for k, v in prof.static.items()}
+    if ctx.microbatches > 1:
+        for k, extra in _accumulation_rows(ctx).items():
+            if k in static:
+                static[k] = [a + b for a, b in zip(static[k], extra)]
+            else:
+                static[k] = extra
     return MemoryRows(static, terms, weights)
+
+
+def _accumulation_rows(ctx: PassContext) -> dict[str, list[float]]:
+    """Under microbatches, gradients accumulate in the layout they are produced in until the step's one
+    reduction: per root key producing gradients and per strategy, the bytes that layout holds beyond the
+    parameter's smallest (fully sharded) layout; an upper bound of the step simulator's figure, which compares
+    with the parameter's chosen layout, so a plan that fits these rows fits the simulator's peak."""
+    from autopar.passes.annotate_shapes import _scale, producer
+    from autopar.passes.estimate_costs import local_bytes
+
+    out: dict[str, list[float]] = {}
+    sizes, dtype = ctx.mesh.shape, ctx.precision.grad_dtype
+    for fqn, g in ctx.captured.grads.items():
+        u, idx = producer(g)
+        pnode = ctx.captured.params[fqn]
+        shape, scale = tuple(pnode.meta["val"].shape), _scale(ctx, pnode)[1]
+        least = min(local_bytes(shape, dtype, s.outs[0], sizes) for s in ctx.strategies[ctx.key[pnode]])
+        root, idx_map = _root(ctx, ctx.key[u])
+        strats = ctx.strategies[ctx.key[u]]
+        extra = [max(0.0, local_bytes(shape, dtype, s.outs[idx], sizes) - least) * scale for s in strats]
+        if idx_map is not None:
+            extra = [extra[j] for j in idx_map]
+        row = out.setdefault(root, [0.0] * len(extra))
+        out[root] = [a + b for a, b in zip(row, extra)]
+    return out
 
 
 def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:

@@ -255,9 +255,13 @@ def _result(ctx: PassContext, setup: Setup, best, priced, send: float) -> dict:
     for c in best.counts:
         layers.append([start, start + c])
         start += c
-    # Modules in the order the model declares their parameters (the graph's placeholder order).
-    first = list(dict.fromkeys(_module(k) for k, s in setup.side.items() if s == "first" and k.startswith("param/")))
-    last = list(dict.fromkeys(_module(k) for k, s in setup.side.items() if s == "last" and k.startswith("param/")))
+    # Modules in the order the model declares their parameters.
+    order: dict[str, int] = {}
+    for node in ctx.captured.params.values():
+        order.setdefault(ctx.key[node], len(order))
+    keys = sorted((k for k in setup.side if k in order), key=order.__getitem__)
+    first = list(dict.fromkeys(_module(k) for k in keys if setup.side[k] == "first"))
+    last = list(dict.fromkeys(_module(k) for k in keys if setup.side[k] == "last"))
     modules = []
     for s, (a, b) in enumerate(layers):
         mods = (first if s == 0 else []) + [f"{setup.prefix}.{i}" for i in range(a, b)]
