@@ -826,14 +826,30 @@ def _abort_on_rank_1():
     return "alive"
 
 
+def _abort_once_on_rank_1(marker: str):
+    import os
+
+    if torch.distributed.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return "alive"
+
+
 @pytest.mark.slow
-def test_worker_that_dies_is_named_with_its_signal():
+def test_worker_that_dies_is_named_with_its_signal(tmp_path):
     from autopar.testing.dist import WorkerPool
 
     pool = WorkerPool(2)  # not the shared pool: this one is closed by the failure
-    with pytest.raises(WorkerError, match=r"(?s)rank 1 .*died \(signal SIGABRT"):
-        pool.run(_abort_on_rank_1)
+    # A crash is retried once on fresh processes; one that happens again fails the call, named.
+    with pytest.warns(RuntimeWarning, match=r"died \(rank 1: signal SIGABRT"):
+        with pytest.raises(WorkerError, match=r"(?s)rank 1 .*died \(signal SIGABRT"):
+            pool.run(_abort_on_rank_1)
     assert not pool.alive
+    # One that does not happen again: the rerun's results, and the warning.
+    pool = WorkerPool(2)
+    with pytest.warns(RuntimeWarning, match="runs once more on fresh worker processes"):
+        assert pool.run(_abort_once_on_rank_1, str(tmp_path / "crashed")) == ["alive", "alive"]
+    pool.close()
 
 
 # --- properties: random models under random plans, mostly on the 2x2 mesh ----------------------------------------

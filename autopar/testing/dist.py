@@ -7,6 +7,11 @@
 picklable; ship plans as JSON. Each worker has `torch.distributed` initialized (gloo, localhost) and one
 intra-op thread. A function that fails on one rank fails the call with that rank's traceback; a call that
 does not finish within `timeout` seconds (a collective waiting for a rank that died) kills the pool.
+
+A worker killed by a signal (a crash in native code, with no Python exception) is different: the pool starts
+fresh processes and runs the call once more, with a warning that names the signal, and fails only if the rerun
+fails too. A wrong program raises or returns wrong numbers, which fail at once; a crashed process says nothing
+about the program. Workers print a Python stack on such a crash (faulthandler) for diagnosis.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -41,9 +47,12 @@ def _worker(rank: int, world_size: int, port: int, conn, threads: int, preload: 
     import datetime
     import importlib
 
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a crash in native code prints each thread's Python stack to stderr
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -74,9 +83,16 @@ class WorkerPool:
                  preload: tuple[str, ...] = PRELOAD):
         """Starts the processes and returns at once; the first `run` waits until they are ready."""
         self.world_size = world_size
+        self._options = (threads, tuple(preload))
         self._start_timeout = start_timeout
+        self._start()
+
+    def _start(self) -> None:
+        threads, preload = self._options
+        world_size = self.world_size
         self._ready = False
         self._dead = False  # a worker process died: the pool closes after the call
+        self._crash = ""  # how a worker died by a signal in the last call
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._conns = []
@@ -112,9 +128,24 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable, *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
-        """fn(*args, **kwargs) on every rank; the list of results by rank."""
+        """fn(*args, **kwargs) on every rank; the list of results by rank. Once more on fresh processes when a
+        worker was killed by a signal (see the module's doc)."""
+        try:
+            return self._run(fn, args, kwargs, timeout)
+        except WorkerError:
+            crash = self._crash
+            if not crash:
+                raise
+        warnings.warn(f"a gloo worker of {getattr(fn, '__name__', fn)} died ({crash}) without a Python exception; "
+                      "the call runs once more on fresh worker processes", RuntimeWarning, stacklevel=2)
+        self._start()
+        _POOLS[self.world_size] = self
+        return self._run(fn, args, kwargs, timeout)
+
+    def _run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         if not self.alive:
             raise RuntimeError("the worker pool is closed")
+        self._crash = ""
         self._wait_ready()
         for c in self._conns:
             c.send((fn, args, kwargs))
@@ -167,6 +198,8 @@ class WorkerPool:
             code = proc.exitcode
             how = f"exit code {code}" if code is None or code >= 0 else f"signal {_signal_name(-code)}"
             self._dead = True
+            if code is not None and code < 0:
+                self._crash = f"rank {rank}: {how}"
             return "error", f"worker process died ({how}) without a Python exception"
 
     def close(self) -> None:
