@@ -30,6 +30,7 @@ def _operand(shape, scale, dtype, seed):
     return selfcheck.operand(shape, scale, dtype, seed, "cpu")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_kernels_match_the_reference_bit_for_bit_under_the_interpreter():
     """Every kernel on odd shapes, one-row and one-column operands, zero rows, empty tensors, large (saturating)

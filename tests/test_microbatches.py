@@ -137,6 +137,7 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp_tp", "dp"])
 def test_four_microbatches_equal_the_full_padded_batch(kind):
     pool = get_pool(4)
@@ -197,6 +198,7 @@ def test_capture_reads_how_the_loss_adds_up_over_microbatches():
     assert capture(model, inputs, None, lambda out, *a: (out ** 2).mean()).loss_reduction == "mean"
 
 
+@pytest.mark.slow
 def test_plan_counts_one_microbatch_of_activations_and_records_the_count():
     """Four microbatches of a 16-row batch plan the graph of a 4-row batch: its activations, its placements;
     the step does four times the work and reduces the gradients once."""
@@ -219,6 +221,7 @@ def test_plan_counts_one_microbatch_of_activations_and_records_the_count():
     assert whole.memory_breakdown["activations"] > 1.5 * four.memory_breakdown["activations"]
 
 
+@pytest.mark.slow
 def test_auto_takes_the_fewest_microbatches_that_fit():
     with torch.device("meta"):
         model = Llama(LLAMA_TINY)
@@ -257,6 +260,7 @@ def test_batch_norm_under_microbatching_is_refused():
                      config=Config(microbatches=2, solver=QUIET))
 
 
+@pytest.mark.slow
 def test_program_of_several_microbatches_reduces_gradients_in_grad_sync_only():
     plan = Plan.from_json(plan_json("fsdp_tp", 4))
     model, inputs = build()

@@ -215,6 +215,7 @@ def test_sending_wrong_input_gradients_is_caught():
     ("llama:4", "pp4", "Schedule1F1B", 8),
     ("hf_llama:4", "pp2", None, None),
 ])
+@pytest.mark.slow
 def test_pipeline_with_tensor_and_data_parallel_stages_equals_one_device(name, mesh, schedule, m):
     results = run_and_check(name, mesh, schedule, m)
     assert {s for r in results for s in r["stages"]} == set(range(Plan.from_json(
@@ -301,6 +302,7 @@ def test_golden_auto_pipelines_405b_on_64_x_8_h100():
     assert p.mesh.axis_names[0] == "pp" and p.mesh.size == 512
 
 
+@pytest.mark.slow
 def test_golden_auto_leaves_a_model_that_fits_and_runs_fastest_without_stages_unpipelined():
     from autopar.models import LLAMA_SMALL
 

@@ -224,6 +224,7 @@ def test_plans_are_byte_identical_across_runs_and_processes():
     assert out.stdout == a
 
 
+@pytest.mark.slow
 def test_plan_json_round_trip_and_param_expansion():
     p = autopar.Plan.from_json(_tiny_plan_json())
     assert p.to_json() == _tiny_plan_json()
@@ -328,6 +329,7 @@ def test_solver_time_limit_returns_best_plan_with_warning():
     assert any("time limit" in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
 def test_corrupt_or_foreign_plan_files_are_explained():
     good = json.loads(_tiny_plan_json())
     with pytest.raises(autopar.PlanMismatchError, match="not valid JSON"):

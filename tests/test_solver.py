@@ -122,6 +122,7 @@ def test_fast_path_is_within_2_percent_of_an_exact_solve(stack_free, fraction):
     assert f"within {s['gap']:.1%} of optimal" in fast.summary() or s["optimal"]
 
 
+@pytest.mark.slow
 def test_time_limit_holds_for_the_whole_planning_call():
     """Config.solver_time_limit_s is wall time for all of plan(): with a limit far below what a proof of
     optimality takes, plan() ends within the limit (plus 30 s of slack for this shared machine) with the best
@@ -166,6 +167,7 @@ def _toy_problem(limit_mib: float | None) -> IlpProblem:
                       edges=[edge], memory=memory, memory_limit=None if limit_mib is None else limit_mib * mib)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
 def test_backends_raise_the_same_errors(backend):
     assert solve(_toy_problem(None), backend=backend).choice == {"a": 0, "b": 0}
