@@ -22,23 +22,12 @@ import autopar
 from autopar.config import Config, SolverConfig
 from autopar.inspect import format_program
 from autopar.models import CONFIGS, Llama, cross_entropy_loss
+from autopar.models.corpus import synthetic_corpus
 
 
 # fp32 losses of the two runs differ by rounding only (measured: below 1e-4 over 20 steps); a wrong
 # collective moves them by far more than this.
 LOSS_TOLERANCE = 1e-3
-
-
-def synthetic_corpus(vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """Batches of counting sequences (start and stride random per row, modulo the vocabulary): a language a
-    small model learns in a few dozen steps, so the loss visibly falls."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=gen)
-        stride = torch.randint(1, 8, (batch, 1), generator=gen)
-        out.append((start + stride * torch.arange(seq)) % vocab)
-    return out
 
 
 def parse() -> argparse.Namespace:

@@ -161,6 +161,11 @@ def timeline_figure(timeline: list, title: str, lanes: list[str] | None = None) 
         spans = [(r[2] * scale, (r[3] - r[2]) * scale) for r in timeline if str(r[0]) == lane]
         color = "#4c72b0" if lane == "compute" else "#c44e52" if lane.startswith("comm") else _COLORS[i % 4]
         ax.broken_barh(spans, (i - 0.4, 0.8), color=color)
+    return _lanes_figure(fig, ax, lanes, unit, title)
+
+
+def _lanes_figure(fig: Figure, ax, lanes: list, unit: str, title: str) -> Figure:
+    """Finish a chart of one horizontal lane per entry of `lanes`, the first on top."""
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlabel(unit)
@@ -266,12 +271,7 @@ def pipeline_figure(timeline: list, title: str) -> Figure | None:
                      if r[0] == lane and kind in r[1].lstrip("0123456789")[:1]]
             if spans:
                 ax.broken_barh(spans, (i - 0.4, 0.8), color=color, edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlabel(unit)
-    ax.set_title(title, fontsize=9, loc="left")
-    fig.tight_layout()
-    return fig
+    return _lanes_figure(fig, ax, lanes, unit, title)
 
 
 def _pipeline_section(plan: Any) -> tuple:

@@ -17,6 +17,7 @@ from torch import nn
 from autopar import _torch_compat as compat
 from autopar.codegen.kernels import reference as ref
 from autopar.config import DEFAULT_FP8_EXCLUDE
+from autopar.models.corpus import synthetic_corpus
 
 
 def _rows(x: torch.Tensor, fmt: str, rowwise: bool):
@@ -110,18 +111,6 @@ class OneRank:
 
 
 __all__ = ["fp8_matmul", "fp8_reference", "OneRank", "synthetic_corpus", "tracks", "train_one_rank"]
-
-
-def synthetic_corpus(vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """Batches of counting sequences (start and stride random per row, modulo the vocabulary), as
-    examples/train_llama.py trains on: a language a small model learns in a few dozen steps."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=gen)
-        stride = torch.randint(1, 8, (batch, 1), generator=gen)
-        out.append((start + stride * torch.arange(seq)) % vocab)
-    return out
 
 
 def tracks(reference: Sequence[float], fp8: Sequence[float], last: int = 20, within: float = 0.03) -> dict:
