@@ -243,7 +243,9 @@ def _raise_infeasible(ctx: PassContext) -> None:
     consumers.sort(reverse=True)
     scale = ctx.memory_limit
     top = ", ".join(f"{k} {fmt_mem(c, scale)}" for c, k in consumers[:5] if c > 0)
-    raise InfeasibleMemoryError(
+    err = InfeasibleMemoryError(
         f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, scale)} per rank; the smallest plan found "
         f"needs {fmt_mem(static + act, scale)} (largest consumers: {top}). Use more ranks, a smaller batch or "
-        "sequence, or raise memory_limit_gb.") from None
+        "sequence, or raise memory_limit_gb.")
+    err.smallest_peak = static + act  # bytes, unrounded
+    raise err from None

@@ -158,6 +158,26 @@ def test_sizes_are_given_in_units_that_fit():
     assert fmt_mem(81 * 2**30, 80 * 2**30) == "81.00 GiB"
 
 
+@pytest.mark.slow
+def test_infeasible_verdict_carries_the_smallest_peak_and_a_plan_fits_it_exactly():
+    """The verdict's figure is the smallest peak, unrounded: a limit one part in a million above it plans."""
+    from autopar.errors import InfeasibleMemoryError
+
+    model, mesh = Llama(LLAMA_TINY), autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+
+    def plan(limit_bytes: float):
+        return autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+                            config=autopar.Config(memory_limit_gb=limit_bytes / 2**30, solver=QUIET))
+
+    with pytest.raises(InfeasibleMemoryError, match="smallest plan found needs") as e:
+        plan(1000.0)
+    smallest = e.value.smallest_peak
+    assert plan(smallest * (1 + 1e-6)).peak_memory_per_rank <= smallest * (1 + 1e-6)
+    with pytest.raises(InfeasibleMemoryError):
+        plan(smallest * (1 - 1e-3))
+
+
 def _toy_problem(limit_mib: float | None) -> IlpProblem:
     """Two keys, a layout change between them, and a memory row: replicated (0) or sharded (1) storage."""
     edge = IlpEdge("a", "b", [0, 1], [0, 1], [[0.0, 5e-4], [5e-4, 0.0]])
