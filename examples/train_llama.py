@@ -25,9 +25,12 @@ from autopar.models import CONFIGS, Llama, cross_entropy_loss
 from autopar.models.corpus import synthetic_corpus
 
 
-# fp32 losses of the two runs differ by rounding only (measured: below 1e-4 over 20 steps); a wrong
-# collective moves them by far more than this.
-LOSS_TOLERANCE = 1e-3
+# fp32 losses of the two runs differ by rounding only. Over the first two steps (a forward, then a step on
+# gradients from the generated backward) that is below 1e-5 (measured: 0); AdamW then amplifies last-bit
+# differences (measured: 1e-5 by step 5, 8e-4 by step 20), so later steps get a loose bound. A wrong or missing
+# collective moves the first two losses by far more than FIRST_TOLERANCE.
+FIRST_STEPS, FIRST_TOLERANCE = 2, 1e-5
+LOSS_TOLERANCE = 1e-2
 
 
 def parse() -> argparse.Namespace:
@@ -78,7 +81,7 @@ def main() -> None:
 
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, eps=1e-6)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, eps=1e-6) if reference is not None else None
-    worst = 0.0
+    worst = first = 0.0
     progress = _progress(lead)
     with progress:
         task = progress.add_task("training", total=args.steps)
@@ -94,6 +97,8 @@ def main() -> None:
                 ref_opt.zero_grad(set_to_none=True)
                 diff = abs(loss.item() - ref_loss.item())
                 worst = max(worst, diff)
+                if step < FIRST_STEPS:
+                    first = max(first, diff)
                 line += f"  single device {ref_loss.item():.6f}  |diff| {diff:.2e}"
             if lead:
                 progress.console.print(line)
@@ -106,9 +111,10 @@ def main() -> None:
               f"{diffs[name]:.2e} (in {name}). Sharded sums add in a different order than one device; "
               "AdamW's normalized steps let those last-bit differences grow slowly over training.")
     dist.destroy_process_group()
-    if lead and worst > LOSS_TOLERANCE:
-        raise SystemExit(f"the parallel losses drifted from the single-device ones by {worst:.2e}, more than "
-                         f"{LOSS_TOLERANCE:g}: the generated program does not compute the same model")
+    if lead and (first > FIRST_TOLERANCE or worst > LOSS_TOLERANCE):
+        raise SystemExit(f"the parallel losses differ from the single-device ones by {first:.2e} over the first "
+                         f"{FIRST_STEPS} steps (bound {FIRST_TOLERANCE:g}) and {worst:.2e} over all (bound "
+                         f"{LOSS_TOLERANCE:g}): the generated program does not compute the same model")
 
 
 def _holdings(pm) -> list[str]:
