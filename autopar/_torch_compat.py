@@ -243,3 +243,63 @@ def pipeline_schedule_order(schedule: str, pp: int, microbatches: int, stages_pe
     ops = get_schedule_ops(cls, pp, microbatches, stages_per_rank if multi else None)
     return tuple(tuple((int(a.stage_index), a.computation_type.value, int(a.microbatch_index)) for a in rank
                        if a is not None and a.is_compute_op) for rank in ops)
+
+
+def annotate(key: str, value: Any):
+    """A context in which every traced node (and the backward nodes derived from it) carries
+    `meta["custom"][key] = value` (what `annotate_modules` does per module)."""
+    return fx_traceback.annotate({key: value})
+
+
+def dynamo_module_path(node: torch.fx.Node) -> str | None:
+    """The FQN, relative to the compiled frame's root object, of the innermost module a node of a Dynamo graph
+    was traced in (from its `nn_module_stack`, e.g. "L['self'].layers[0].attention" -> "layers.0.attention");
+    "" for the root itself, None when Dynamo recorded none."""
+    import re
+
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]", "", str(path))
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def is_compiled_module(mod: Any) -> bool:
+    """A torch.compile wrapper (OptimizedModule), whose `_orig_mod` is the module itself."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(mod, OptimizedModule)
+
+
+def has_symbolic_shapes(value: Any) -> bool:
+    """A SymInt/SymFloat, or a (fake) tensor with a symbolic size or stride: a graph Dynamo traced with dynamic
+    shapes."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride()))
+    return False
+
+
+@contextlib.contextmanager
+def dtensor_implicit_replication() -> Iterator[None]:
+    """Plain tensors mixed with DTensors in one op count as replicated DTensors (DTensor's
+    `implicit_replication`)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        yield
+
+
+@contextlib.contextmanager
+def outside_dynamo() -> Iterator[None]:
+    """Inside a torch.compile backend: no Dynamo tracing or compile context and no active fake mode, so a
+    capture of its own (autopar.capture) makes and uses its own FakeTensorMode."""
+    from torch._guards import compile_context, tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), tracing(None), compile_context(None):
+        yield
