@@ -284,14 +284,31 @@ def has_symbolic_shapes(value: Any) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def dtensor_implicit_replication() -> Iterator[None]:
-    """Plain tensors mixed with DTensors in one op count as replicated DTensors (DTensor's
-    `implicit_replication`)."""
-    from torch.distributed.tensor.experimental import implicit_replication
+_IMPLICIT_REPLICATION_IN_DYNAMO: list[bool] = []
 
-    with implicit_replication():
-        yield
+
+def implicit_replication_in_dynamo() -> None:
+    """While Dynamo traces a frame, plain tensors mixed with DTensors in one op count as replicated DTensors
+    (DTensor's implicit replication), so a module whose parameters are DTensors can be traced again (new input
+    shapes, grad mode) with plain inputs; outside Dynamo's compiles nothing changes. Installed once."""
+    if _IMPLICIT_REPLICATION_IN_DYNAMO:
+        return
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    saved: list[bool] = []
+
+    def start(*_: Any) -> None:
+        saved.append(dispatcher._allow_implicit_replication)
+        dispatcher._allow_implicit_replication = True
+
+    def end(*_: Any) -> None:
+        if saved:
+            dispatcher._allow_implicit_replication = saved.pop()
+
+    torch._dynamo.callback_handler.register_start_callback(start)
+    torch._dynamo.callback_handler.register_end_callback(end)
+    _IMPLICIT_REPLICATION_IN_DYNAMO.append(True)
 
 
 @contextlib.contextmanager

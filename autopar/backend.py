@@ -22,6 +22,7 @@ optimizer made over the old parameter objects before the first call would step s
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -101,6 +102,7 @@ class Backend:
         program, plan_reused = self._program(step, graph, config, key)
         self.stats["reused" if plan_reused else "planned"] += 1
         params, buffers = _shard_in_place(step, graph, program, self.mesh, self)
+        compat.implicit_replication_in_dynamo()  # so Dynamo can trace the module again (new shapes, grad mode)
         return _CompiledStep(program, graph, params, buffers, self.mesh, self.inner, self.outputs,
                              runtime.agree_on_seed(self.seed))
 
@@ -109,11 +111,12 @@ class Backend:
         capture), else rank 0 plans; every rank then runs the same plan."""
         from autopar import runtime
         from autopar.codegen.lower import multi_axis_grad_reductions
-        from autopar.compiler import capture_step, fingerprint, reject_collectives, solve
+        from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
         from autopar.plan_check import check_plan
 
-        comp = capture_step(step, self.mesh, graph.inputs, {}, _loss_and_outputs, config, template_layers=None,
-                            microbatches=1)
+        with forward_only(step) if graph.forward_only else contextlib.nullcontext():
+            comp = capture_step(step, self.mesh, graph.inputs, {}, _loss_and_outputs, config, template_layers=None,
+                                microbatches=1)
         reject_collectives(comp.captured)
         cached = self._cached(key)
         reused = [cached is not None]
@@ -178,7 +181,8 @@ def _loss_and_outputs(out, *inputs):
 class _GraphInputs:
     """Which graph input is which: `params` and `buffers` map input positions to FQNs under `root`; `inputs` are
     the positions of the call's own tensors (the captured model's arguments, in order); `loss` is the position
-    of the loss among the graph's outputs, which number `n_outputs`."""
+    of the loss among the graph's outputs, which number `n_outputs`. `forward_only`: traced under no_grad, planned and run without a
+    backward."""
 
     root: nn.Module
     params: dict[int, str]
@@ -188,6 +192,7 @@ class _GraphInputs:
     loss: int
     n_outputs: int
     n_flat: int
+    forward_only: bool = False
 
     @classmethod
     def of(cls, gm: fx.GraphModule, example: list) -> "_GraphInputs":
@@ -217,7 +222,10 @@ class _GraphInputs:
                 buffers[i] = kind_name[1]
         out = next(n for n in gm.graph.nodes if n.op == "output")
         values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-        loss = next((k for k, v in enumerate(values) if _is_loss(v)), None)
+        # A graph traced under no_grad (nothing it returns requires grad) runs forward only; its loss is its
+        # first scalar.
+        forward_only = not any(_value(v) is not None and _value(v).requires_grad for v in values)
+        loss = next((k for k, v in enumerate(values) if _is_loss(v, not forward_only)), None)
         if loss is None:
             raise ValueError("the compiled graph returns no scalar loss that requires grad: the autopar backend "
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
@@ -225,12 +233,17 @@ class _GraphInputs:
                              "from its inputs to the loss free of graph breaks (print, .item(), data-dependent "
                              "branches); torch._dynamo.explain(model)(*inputs) lists them")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
-                   len(example))
+                   len(example), forward_only)
 
 
-def _is_loss(node: Any) -> bool:
+def _value(node: Any) -> torch.Tensor | None:
     v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point() and v.requires_grad
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_loss(node: Any, requires_grad: bool) -> bool:
+    v = _value(node)
+    return v is not None and v.ndim == 0 and v.is_floating_point() and (v.requires_grad or not requires_grad)
 
 
 def _root_of(tensors: list[torch.Tensor]) -> tuple[nn.Module, dict[int, tuple[str, str]]]:
@@ -322,19 +335,25 @@ def _graph_key(gm: fx.GraphModule, graph: _GraphInputs, mesh: DeviceMesh, config
         t = root.get_parameter(fqn) if pos in graph.params else root.get_buffer(fqn)
         parts.append(f"{pos}|{fqn}|{tuple(t.shape)}|{t.dtype}")
     parts.append(json.dumps([list(mesh.mesh_dim_names), list(mesh.mesh.shape), mesh.device_type,
-                             config.to_json(), inner], sort_keys=True, default=str))
+                             config.to_json(), inner, graph.forward_only], sort_keys=True, default=str))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 # --- parameters as DTensors, in place ------------------------------------------------------------------------------
-_SHARDED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DTensor parameter -> its Backend
+# id(DTensor parameter) -> (a reference to it, the Backend that made it); ids, as tensors compare by value.
+_SHARDED_BY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _sharded_by(p: torch.Tensor) -> "Backend | None":
+    ref, owner = _SHARDED_BY.get(id(p), (None, None))
+    return owner() if ref is not None and ref() is p else None
 
 
 def _check_owner(graph: _GraphInputs, backend_obj: Backend) -> None:
     """A parameter another backend (another mesh or config) sharded cannot be planned again here."""
     for fqn in graph.params.values():
         p = graph.root.get_parameter(fqn)
-        owner = _SHARDED_BY.get(p) if isinstance(p, DTensor) else None
+        owner = _sharded_by(p)
         if isinstance(p, DTensor) and owner is not backend_obj:
             raise ValueError(f"parameter {fqn} is already a DTensor, sharded by "
                              f"{'another autopar backend' if owner else 'something other than this backend'}: "
@@ -373,7 +392,7 @@ def _shard_in_place(step: _GraphStep, graph: _GraphInputs, program, mesh: Device
             mod, attr = owner(root, name)
             mod._parameters[attr] = new
         _StaleOptimizerCheck.replaced(old, spec.name)
-        _SHARDED_BY[new] = backend_obj
+        _SHARDED_BY[id(new)] = (weakref.ref(new), weakref.ref(backend_obj))
         params[spec.name] = new
     buffers = {}
     for spec in program.buffers:
