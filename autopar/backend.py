@@ -40,6 +40,7 @@ from autopar import _torch_compat as compat
 from autopar.config import Config
 from autopar.plan import Plan
 
+BREAK_PREFIX = "autopar_graph_break_input_"  # stand-in parameters: values crossing a graph break
 MODULE_KEY = "autopar_module"  # the node annotation capture reads (autopar/_torch_compat.annotate_modules)
 INNER = ("eager", "inductor")
 OUTPUTS = ("sharded", "global")
@@ -80,7 +81,7 @@ class Backend:
                              "use autopar.parallelize (pm.step) for microbatches and pipelines")
         self.mesh, self.config, self.inner, self.outputs, self.seed = mesh, config, inner, outputs, seed
         self.cache_dir = cache_dir
-        self.stats = {"compiles": 0, "planned": 0, "reused": 0}
+        self.stats = {"compiles": 0, "planned": 0, "reused": 0, "replicated": 0}
         self._plans: dict[str, Plan] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
@@ -94,17 +95,34 @@ class Backend:
         self.stats["compiles"] += 1
         graph = _GraphInputs.of(gm, list(example_inputs))
         _check_owner(graph, self)
-        step = _GraphStep(graph.root, gm, graph)
+        if graph.replicated:
+            return self._replicated(gm, graph)
+        step = _GraphStep(graph.root, gm, graph, example_inputs)
         key = _graph_key(gm, graph, self.mesh, self.config, self.inner)
-        # Parameters an earlier graph (or an earlier compile of this one) sharded keep their placements.
+        # Parameters an earlier graph (or an earlier compile of this one) sharded keep their placements; values
+        # crossing a graph break are replicated.
         pins = {fqn: tuple(p.placements) for fqn, p in graph.root.named_parameters() if isinstance(p, DTensor)}
+        pins.update({fqn: _replicate(self.mesh) for fqn in graph.crossing.values()})
         config = self.config.with_(pins={**dict(self.config.pins or {}), **pins}) if pins else self.config
         program, plan_reused = self._program(step, graph, config, key)
         self.stats["reused" if plan_reused else "planned"] += 1
-        params, buffers = _shard_in_place(step, graph, program, self.mesh, self)
+        params, buffers = _shard_in_place(graph, program, self.mesh, self)
         compat.implicit_replication_in_dynamo()  # so Dynamo can trace the module again (new shapes, grad mode)
         return _CompiledStep(program, graph, params, buffers, self.mesh, self.inner, self.outputs,
                              runtime.agree_on_seed(self.seed))
+
+    def _replicated(self, gm: fx.GraphModule, graph: "_GraphInputs") -> "_ReplicatedGraph":
+        """A graph before a graph break (no loss): its plain parameters become replicated DTensors, and it runs
+        on every rank as Dynamo traced it."""
+        from autopar.runtime.state import shard_real
+
+        for fqn in graph.params.values():
+            p = graph.root.get_parameter(fqn)
+            if not isinstance(p, DTensor):
+                _install(graph.root, p, shard_real(p, self.mesh, _replicate(self.mesh)), fqn, self)
+        self.stats["replicated"] += 1
+        compat.implicit_replication_in_dynamo()
+        return _ReplicatedGraph(gm)
 
     def _program(self, step: "_GraphStep", graph: "_GraphInputs", config: Config, key: str):
         """This rank's Program of the graph: the plan cached under `key` when there is one (checked against this
@@ -181,8 +199,13 @@ def _loss_and_outputs(out, *inputs):
 class _GraphInputs:
     """Which graph input is which: `params` and `buffers` map input positions to FQNs under `root`; `inputs` are
     the positions of the call's own tensors (the captured model's arguments, in order); `loss` is the position
-    of the loss among the graph's outputs, which number `n_outputs`. `forward_only`: traced under no_grad, planned and run without a
-    backward."""
+    of the loss among the graph's outputs, which number `n_outputs`.
+
+    `forward_only`: traced under no_grad, planned and run without a backward. `replicated`: a graph before a
+    graph break, which returns values that require grad but no loss: it runs unplanned on every rank, on the
+    whole batch, with its parameters replicated. `crossing`: input positions of values a graph before a break
+    computed, which need their gradient: each is planned as a replicated stand-in parameter named
+    `BREAK_PREFIX<k>`, whose gradient flows back into the earlier graph."""
 
     root: nn.Module
     params: dict[int, str]
@@ -193,6 +216,8 @@ class _GraphInputs:
     n_outputs: int
     n_flat: int
     forward_only: bool = False
+    replicated: bool = False
+    crossing: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, example: list) -> "_GraphInputs":
@@ -208,14 +233,17 @@ class _GraphInputs:
                                  "torch.compile(model, backend=autopar.backend(mesh), dynamic=False), so each new "
                                  "input shape is compiled, and planned, on its own")
         root, names = _root_of([v for v in example if isinstance(v, torch.Tensor)])
-        params, buffers, positions = {}, {}, []
+        params, buffers, positions, crossing = {}, {}, [], {}
         for i, value in enumerate(example):
             kind_name = names.get(id(value)) if isinstance(value, torch.Tensor) else None
             if kind_name is None:
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"graph input {i} is a {type(value).__name__}, not a tensor; autopar plans graphs "
                                      "of tensors: compile with dynamic=False")
-                positions.append(i)
+                if value.requires_grad and torch.is_grad_enabled():
+                    crossing[i] = f"{BREAK_PREFIX}{len(crossing)}"
+                else:
+                    positions.append(i)
             elif kind_name[0] == "param":
                 params[i] = kind_name[1]
             else:
@@ -226,6 +254,9 @@ class _GraphInputs:
         # first scalar.
         forward_only = not any(_value(v) is not None and _value(v).requires_grad for v in values)
         loss = next((k for k, v in enumerate(values) if _is_loss(v, not forward_only)), None)
+        if loss is None and not forward_only:
+            return cls(root, params, buffers, positions, tuple(example[i] for i in positions), -1, len(values),
+                       len(example), replicated=True)
         if loss is None:
             raise ValueError("the compiled graph returns no scalar loss that requires grad: the autopar backend "
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
@@ -233,7 +264,7 @@ class _GraphInputs:
                              "from its inputs to the loss free of graph breaks (print, .item(), data-dependent "
                              "branches); torch._dynamo.explain(model)(*inputs) lists them")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
-                   len(example), forward_only)
+                   len(example), forward_only, crossing=crossing)
 
 
 def _value(node: Any) -> torch.Tensor | None:
@@ -255,9 +286,8 @@ def _root_of(tensors: list[torch.Tensor]) -> tuple[nn.Module, dict[int, tuple[st
     modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module) and not compat.is_compiled_module(o)]
     owned = {id(t) for m in modules for table in (m._parameters, m._buffers) for t in table.values()
              if t is not None and id(t) in ids}
-    if not owned:
-        raise ValueError("the compiled graph reads no module parameters: compile the nn.Module "
-                         "(torch.compile(model, backend=...)) that holds them")
+    if not owned:  # a graph after a break may read none (a loss computed from the earlier graph's outputs)
+        return nn.Module(), {}
     children = {id(c) for m in modules for c in m._modules.values() if c is not None}
     best = None
     for m in modules:
@@ -282,17 +312,22 @@ class _GraphStep(nn.Module):
     state and names apply) and the call's tensors as arguments; returns (loss, *other outputs). It shares the
     root's submodules, parameters and buffers: FQNs, tied weights and repeated layers are the root's."""
 
-    def __init__(self, root: nn.Module, gm: fx.GraphModule, graph: _GraphInputs):
+    def __init__(self, root: nn.Module, gm: fx.GraphModule, graph: _GraphInputs, example: Sequence[Any]):
         super().__init__()
-        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        for table in ("_modules", "_buffers", "_non_persistent_buffers_set"):
             self.__dict__[table] = getattr(root, table)
+        # The root's own parameters, and a stand-in for each value crossing a graph break (the root is left as is).
+        self.__dict__["_parameters"] = dict(root._parameters)
+        for i, name in graph.crossing.items():
+            x = example[i]
+            self._parameters[name] = nn.Parameter(torch.empty(x.shape, dtype=x.dtype, device="meta"))
         self.__dict__["_graph"] = gm
         self.__dict__["_inputs"] = graph
 
     def forward(self, *inputs: torch.Tensor):
         g = self._inputs
         flat: list[Any] = [None] * g.n_flat
-        for i, fqn in {**g.params, **g.buffers}.items():  # by attribute: the trace substitutes plain tensors
+        for i, fqn in {**g.params, **g.buffers, **g.crossing}.items():  # by attribute: the trace substitutes plain tensors
             mod, _, name = fqn.rpartition(".")
             flat[i] = getattr(self.get_submodule(mod) if mod else self, name)
         for i, x in zip(g.input_positions, inputs):
@@ -323,13 +358,15 @@ def _graph_key(gm: fx.GraphModule, graph: _GraphInputs, mesh: DeviceMesh, config
     for i, n in enumerate(gm.graph.nodes):
         index[n] = i
         if n.op == "placeholder":
-            parts.append(f"in|{i}")
+            v = n.meta.get("example_value")
+            parts.append(f"in|{i}|{tuple(v.shape) if isinstance(v, torch.Tensor) else None}|{getattr(v, 'dtype', None)}")
             continue
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
         target = getattr(n.target, "__qualname__", None) or str(n.target)
         parts.append(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args}")
     for i, x in enumerate(graph.inputs):
         parts.append(f"input/{i}|{tuple(x.shape)}|{x.dtype}")
+    parts += [f"crossing/{name}|{pos}" for pos, name in sorted(graph.crossing.items())]  # shapes: placeholders
     root = graph.root
     for pos, fqn in sorted({**graph.params, **graph.buffers}.items()):
         t = root.get_parameter(fqn) if pos in graph.params else root.get_buffer(fqn)
@@ -363,19 +400,39 @@ def _check_owner(graph: _GraphInputs, backend_obj: Backend) -> None:
                              "compiled with it")
 
 
-def _shard_in_place(step: _GraphStep, graph: _GraphInputs, program, mesh: DeviceMesh, backend_obj: Backend):
+def _replicate(mesh: DeviceMesh) -> tuple:
+    from torch.distributed.tensor import Replicate
+
+    return tuple(Replicate() for _ in mesh.mesh.shape)
+
+
+def _install(root: nn.Module, old: torch.Tensor, value: DTensor, fqn: str, backend_obj: Backend) -> nn.Parameter:
+    """A new Parameter holding `value` in place of `old` under each of its names in `root`; `old` is remembered,
+    so an optimizer that still holds it fails clearly at its first step."""
+    from autopar.runtime.state import owner
+
+    new = nn.Parameter(value, requires_grad=old.requires_grad)
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if p is old:
+            mod, attr = owner(root, name)
+            mod._parameters[attr] = new
+    _StaleOptimizerCheck.replaced(old, fqn)
+    _SHARDED_BY[id(new)] = (weakref.ref(new), weakref.ref(backend_obj))
+    return new
+
+
+def _shard_in_place(graph: _GraphInputs, program, mesh: DeviceMesh, backend_obj: Backend):
     """Every parameter and buffer the program reads, as a DTensor in its layout, installed in the root module
     under each of its names: returns {fqn: parameter} and {fqn: buffer}. A plain parameter is replaced by a new
-    Parameter object (the old one is remembered so an optimizer holding it fails clearly); a DTensor parameter
-    in another layout takes the new placements in place (torch.utils.swap_tensors), so optimizers keep it."""
+    Parameter object (`_install`); a DTensor parameter in another layout takes the new placements in place
+    (torch.utils.swap_tensors), so optimizers keep it. Stand-ins for values crossing a graph break are skipped."""
     from autopar.runtime.state import owner, shard_real
 
-    root = step
-    names: dict[int, list[str]] = {}
-    for n, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
+    root = graph.root
     params = {}
     for spec in program.params:
+        if spec.name.startswith(BREAK_PREFIX):
+            continue
         old = root.get_parameter(spec.name)
         layout = tuple(spec.layout)
         if isinstance(old, DTensor):
@@ -387,13 +444,7 @@ def _shard_in_place(step: _GraphStep, graph: _GraphInputs, program, mesh: Device
         if old.is_meta:
             raise ValueError(f"parameter {spec.name} is on the meta device: the torch.compile backend needs the "
                              "model's real weights (autopar.parallelize initializes meta-device models)")
-        new = nn.Parameter(shard_real(old, mesh, layout), requires_grad=old.requires_grad)
-        for name in names[id(old)]:
-            mod, attr = owner(root, name)
-            mod._parameters[attr] = new
-        _StaleOptimizerCheck.replaced(old, spec.name)
-        _SHARDED_BY[id(new)] = (weakref.ref(new), weakref.ref(backend_obj))
-        params[spec.name] = new
+        params[spec.name] = _install(root, old, shard_real(old, mesh, layout), spec.name, backend_obj)
     buffers = {}
     for spec in program.buffers:
         old = root.get_buffer(spec.name)
@@ -457,9 +508,11 @@ class _CompiledStep:
         program.backward.to(self._device)
         self._runner = _Runner(program, mesh.device_type, compile=inner == "inductor")
         self._coords, self._sizes = mesh_coords(mesh), tuple(mesh.mesh.shape)
-        by_fqn = {fqn: i for i, fqn in graph.params.items()}
+        by_fqn = {fqn: i for i, fqn in {**graph.params, **graph.crossing}.items()}
         self._param_pos = [by_fqn.get(n) for n in program.param_names]
-        self._params = [params[n] for n in program.param_names]  # unread by the graph: not among its inputs
+        self._params = [params.get(n) for n in program.param_names]  # unread by the graph: not among its inputs
+        self._crossing = {by_fqn[n] for n in graph.crossing.values()}
+        self._replicate = _replicate(mesh)
         bpos = {fqn: i for i, fqn in graph.buffers.items()}
         self._buffer_pos = [bpos.get(n) for n in program.buffer_names]
         self._buffers = [buffers[n] for n in program.buffer_names]
@@ -470,7 +523,8 @@ class _CompiledStep:
     def __call__(self, *flat: Any) -> list:
         from autopar.runtime.module import _TrainStep
 
-        params = [p if i is None else flat[i] for i, p in zip(self._param_pos, self._params)]
+        params = [p if i is None else self._crossed(flat[i]) if i in self._crossing else flat[i]
+                  for i, p in zip(self._param_pos, self._params)]
         buffers = [_local(b if i is None else flat[i]) for i, b in zip(self._buffer_pos, self._buffers)]
         inputs = [self._local_input(flat[i], spec) for i, spec in zip(self._input_pos, self.program.inputs)]
         seed = self._next_seed()
@@ -480,6 +534,13 @@ class _CompiledStep:
             loss, outs, _, _ = self._runner.forward(*[compat.dtensor_local(p) for p in params], *buffers, *inputs,
                                                     *seed)
         return self._results(loss, outs)
+
+    def _crossed(self, x: torch.Tensor) -> DTensor:
+        """A value an earlier graph computed, as the replicated DTensor its stand-in parameter is: the gradient
+        the program returns for it flows back into that graph."""
+        if isinstance(x, DTensor):
+            return x.redistribute(self.mesh, self._replicate)
+        return DTensor.from_local(x, self.mesh, self._replicate, run_check=False)
 
     def _results(self, loss: torch.Tensor, outs) -> list:
         from autopar.runtime.state import as_dtensor
@@ -508,6 +569,17 @@ class _CompiledStep:
                 return x.to_local()
             x = x.full_tensor()
         return local_shard(x, layout, self._coords, self._sizes).to(self._device).contiguous()
+
+
+class _ReplicatedGraph:
+    """A graph before a graph break, run as Dynamo traced it on every rank: DTensor inputs (parameters, values
+    of earlier graphs) as full tensors, differentiably, so gradients reach the DTensor parameters."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+
+    def __call__(self, *flat: Any):
+        return self.gm(*[x.full_tensor() if isinstance(x, DTensor) else x for x in flat])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
