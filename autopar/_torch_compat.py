@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -284,15 +285,7 @@ def has_symbolic_shapes(value: Any) -> bool:
     return False
 
 
-_IMPLICIT_REPLICATION_IN_DYNAMO: list[bool] = []
-
-
-def implicit_replication_in_dynamo() -> None:
-    """While Dynamo traces a frame, plain tensors mixed with DTensors in one op count as replicated DTensors
-    (DTensor's implicit replication), so a module whose parameters are DTensors can be traced again (new input
-    shapes, grad mode) with plain inputs; outside Dynamo's compiles nothing changes. Installed once."""
-    if _IMPLICIT_REPLICATION_IN_DYNAMO:
-        return
+def _implicit_replication_callbacks():
     from torch.distributed.tensor import DTensor
 
     dispatcher = DTensor._op_dispatcher
@@ -306,9 +299,26 @@ def implicit_replication_in_dynamo() -> None:
         if saved:
             dispatcher._allow_implicit_replication = saved.pop()
 
-    torch._dynamo.callback_handler.register_start_callback(start)
-    torch._dynamo.callback_handler.register_end_callback(end)
-    _IMPLICIT_REPLICATION_IN_DYNAMO.append(True)
+    return start, end
+
+
+_IMPLICIT_REPLICATION_CALLBACKS: list = []
+
+
+def implicit_replication_in_dynamo() -> None:
+    """While Dynamo compiles, plain tensors mixed with DTensors in one op count as replicated DTensors (DTensor's
+    implicit replication), so a module whose parameters are DTensors can be traced again (new input shapes,
+    grad mode) with plain inputs; outside Dynamo's compiles nothing changes. Idempotent and cheap, so callers
+    repeat it: torch._dynamo.reset() clears Dynamo's compile callbacks."""
+    import torch._dynamo
+
+    if not _IMPLICIT_REPLICATION_CALLBACKS:
+        _IMPLICIT_REPLICATION_CALLBACKS.extend(_implicit_replication_callbacks())
+    start, end = _IMPLICIT_REPLICATION_CALLBACKS
+    handler = torch._dynamo.callback_handler
+    if start not in handler.start_callbacks:
+        handler.register_start_callback(start)
+        handler.register_end_callback(end)
 
 
 @contextlib.contextmanager
@@ -320,3 +330,30 @@ def outside_dynamo() -> Iterator[None]:
 
     with unset_fake_temporarily(), tracing(None), compile_context(None):
         yield
+
+
+def dynamo_guards() -> Any:
+    """The guards Dynamo is collecting for the frame it compiles (inside a backend call), or None."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    return None if ctx is None else ctx.guards_context.dynamo_guards
+
+
+def retarget_tensor_guards(guards: Any, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make the guards Dynamo is about to build for tensors a backend replaced in the module (old -> new, keyed
+    by id(old)) describe the new tensors. Dynamo builds a tensor's guard from the tensor it traced while that
+    one is alive (a weak reference), else from the value its source reads now; a parameter also held
+    elsewhere (an optimizer, a list) would give a guard that fails on the frame's own values."""
+    import torch.utils.weak as torch_weak
+
+    if guards is None:
+        return
+    for guard in guards:
+        fn = guard.create_fn
+        value = getattr(fn, "keywords", {}).get("value")
+        if isinstance(value, torch_weak.TensorWeakRef):
+            old = value()
+            pair = replaced.get(id(old)) if old is not None else None
+            if pair is not None and pair[0] is old:
+                value.ref = weakref.ref(pair[1])

@@ -70,6 +70,9 @@ class Backend:
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"autopar.backend needs the job's DeviceMesh (init_device_mesh(..., mesh_dim_names=...)), "
                              f"got {type(mesh).__name__}")
+        from autopar.runtime import check_mesh
+
+        check_mesh(mesh)
         if inner not in INNER:
             raise ValueError(f"inner={inner!r}: use one of {INNER}")
         if outputs not in OUTPUTS:
@@ -82,11 +85,20 @@ class Backend:
         self.mesh, self.config, self.inner, self.outputs, self.seed = mesh, config, inner, outputs, seed
         self.cache_dir = cache_dir
         self.stats = {"compiles": 0, "planned": 0, "reused": 0, "replicated": 0}
+        compat.implicit_replication_in_dynamo()  # torch._dynamo.reset() drops it; a new backend brings it back
         self._plans: dict[str, Plan] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        guards = compat.dynamo_guards()
         with compat.outside_dynamo():
-            return self._compile(gm, example_inputs)
+            compiled, installs = self._compile(gm, example_inputs)
+        # The DTensors take the plain tensors' places before Dynamo builds its guards, so the guards describe
+        # them: later calls run without a recompile.
+        for install, _, _ in installs:
+            install()
+        compat.retarget_tensor_guards(guards, {id(old): (old, new) for _, old, new in installs})
+        compat.implicit_replication_in_dynamo()  # so Dynamo can trace the module again (new shapes, grad mode)
+        return compiled
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         from autopar import runtime
@@ -103,26 +115,27 @@ class Backend:
         # crossing a graph break are replicated.
         pins = {fqn: tuple(p.placements) for fqn, p in graph.root.named_parameters() if isinstance(p, DTensor)}
         pins.update({fqn: _replicate(self.mesh) for fqn in graph.crossing.values()})
-        config = self.config.with_(pins={**dict(self.config.pins or {}), **pins}) if pins else self.config
+        # Pins match in order, first wins: these before the user's globs.
+        config = self.config.with_(pins={**pins, **dict(self.config.pins or {})}) if pins else self.config
         program, plan_reused = self._program(step, graph, config, key)
         self.stats["reused" if plan_reused else "planned"] += 1
-        params, buffers = _shard_in_place(graph, program, self.mesh, self)
-        compat.implicit_replication_in_dynamo()  # so Dynamo can trace the module again (new shapes, grad mode)
+        params, buffers, installs = _shard_in_place(graph, program, self.mesh, self)
         return _CompiledStep(program, graph, params, buffers, self.mesh, self.inner, self.outputs,
-                             runtime.agree_on_seed(self.seed))
+                             runtime.agree_on_seed(self.seed)), installs
 
-    def _replicated(self, gm: fx.GraphModule, graph: "_GraphInputs") -> "_ReplicatedGraph":
+    def _replicated(self, gm: fx.GraphModule, graph: "_GraphInputs") -> tuple["_ReplicatedGraph", list]:
         """A graph before a graph break (no loss): its plain parameters become replicated DTensors, and it runs
         on every rank as Dynamo traced it."""
         from autopar.runtime.state import shard_real
 
-        for fqn in graph.params.values():
+        installs, params = [], {}
+        for i, fqn in graph.params.items():
             p = graph.root.get_parameter(fqn)
             if not isinstance(p, DTensor):
-                _install(graph.root, p, shard_real(p, self.mesh, _replicate(self.mesh)), fqn, self)
+                params[i] = _replacement(graph.root, p, shard_real(p, self.mesh, _replicate(self.mesh)), fqn, self,
+                                         installs)
         self.stats["replicated"] += 1
-        compat.implicit_replication_in_dynamo()
-        return _ReplicatedGraph(gm)
+        return _ReplicatedGraph(gm), installs
 
     def _program(self, step: "_GraphStep", graph: "_GraphInputs", config: Config, key: str):
         """This rank's Program of the graph: the plan cached under `key` when there is one (checked against this
@@ -406,45 +419,51 @@ def _replicate(mesh: DeviceMesh) -> tuple:
     return tuple(Replicate() for _ in mesh.mesh.shape)
 
 
-def _install(root: nn.Module, old: torch.Tensor, value: DTensor, fqn: str, backend_obj: Backend) -> nn.Parameter:
-    """A new Parameter holding `value` in place of `old` under each of its names in `root`; `old` is remembered,
-    so an optimizer that still holds it fails clearly at its first step."""
+def _replacement(root: nn.Module, old: torch.Tensor, value: DTensor, fqn: str, backend_obj: Backend,
+                 installs: list) -> nn.Parameter:
+    """A new Parameter holding `value`, and (appended to `installs`) the call that puts it in place of `old`
+    under each of its names in `root`, remembering `old` so an optimizer that still holds it fails clearly."""
     from autopar.runtime.state import owner
 
     new = nn.Parameter(value, requires_grad=old.requires_grad)
-    for name, p in root.named_parameters(remove_duplicate=False):
-        if p is old:
-            mod, attr = owner(root, name)
-            mod._parameters[attr] = new
-    _StaleOptimizerCheck.replaced(old, fqn)
     _SHARDED_BY[id(new)] = (weakref.ref(new), weakref.ref(backend_obj))
+
+    def install() -> None:
+        for name, p in root.named_parameters(remove_duplicate=False):
+            if p is old:
+                mod, attr = owner(root, name)
+                mod._parameters[attr] = new
+        _StaleOptimizerCheck.replaced(old, fqn)
+
+    installs.append((install, old, new))
     return new
 
 
 def _shard_in_place(graph: _GraphInputs, program, mesh: DeviceMesh, backend_obj: Backend):
-    """Every parameter and buffer the program reads, as a DTensor in its layout, installed in the root module
-    under each of its names: returns {fqn: parameter} and {fqn: buffer}. A plain parameter is replaced by a new
-    Parameter object (`_install`); a DTensor parameter in another layout takes the new placements in place
-    (torch.utils.swap_tensors), so optimizers keep it. Stand-ins for values crossing a graph break are skipped."""
+    """Every parameter and buffer the program reads, as a DTensor in its layout: returns {fqn: parameter},
+    {fqn: buffer} and (install, old, new) per replaced tensor: the call that puts it in the root module under
+    each of its names (the backend runs them before Dynamo builds its guards). A plain
+    parameter is replaced by a new Parameter object (`_replacement`); a DTensor parameter stays as it is (the
+    plan was pinned to its placements). Stand-ins for values crossing a graph break are skipped."""
     from autopar.runtime.state import owner, shard_real
 
     root = graph.root
-    params = {}
+    params, installs = {}, []
     for spec in program.params:
         if spec.name.startswith(BREAK_PREFIX):
             continue
         old = root.get_parameter(spec.name)
         layout = tuple(spec.layout)
-        if isinstance(old, DTensor):
+        if isinstance(old, DTensor):  # pinned where it is, so the plan keeps it there
             if tuple(old.placements) != layout:
-                new = old.detach().redistribute(mesh, layout)
-                torch.utils.swap_tensors(old, nn.Parameter(new, requires_grad=old.requires_grad))
+                raise ValueError(f"parameter {spec.name} is already sharded as {tuple(old.placements)} but this graph's "
+                                 f"plan places it as {layout}: a pin in Config.pins conflicts with its placement")
             params[spec.name] = old
             continue
         if old.is_meta:
             raise ValueError(f"parameter {spec.name} is on the meta device: the torch.compile backend needs the "
                              "model's real weights (autopar.parallelize initializes meta-device models)")
-        params[spec.name] = _install(root, old, shard_real(old, mesh, layout), spec.name, backend_obj)
+        params[spec.name] = _replacement(root, old, shard_real(old, mesh, layout), spec.name, backend_obj, installs)
     buffers = {}
     for spec in program.buffers:
         old = root.get_buffer(spec.name)
@@ -454,9 +473,9 @@ def _shard_in_place(graph: _GraphInputs, program, mesh: DeviceMesh, backend_obj:
         else:
             new = shard_real(old, mesh, layout)
         mod, attr = owner(root, spec.name)
-        mod._buffers[attr] = new
+        installs.append((lambda mod=mod, attr=attr, new=new: mod._buffers.__setitem__(attr, new), old, new))
         buffers[spec.name] = new
-    return params, buffers
+    return params, buffers, installs
 
 
 class _StaleOptimizerCheck:
@@ -523,6 +542,7 @@ class _CompiledStep:
     def __call__(self, *flat: Any) -> list:
         from autopar.runtime.module import _TrainStep
 
+        compat.implicit_replication_in_dynamo()  # again: torch._dynamo.reset() clears it
         params = [p if i is None else self._crossed(flat[i]) if i in self._crossing else flat[i]
                   for i, p in zip(self._param_pos, self._params)]
         buffers = [_local(b if i is None else flat[i]) for i, b in zip(self._buffer_pos, self._buffers)]

@@ -114,11 +114,152 @@ def test_compiled_module_matches_single_device(name, kind):
     shape, names = DP2XTP2
     results = get_pool(math.prod(shape)).run(train_compiled, name, shape, names, kind)
     got = results[0]
-    # One Dynamo graph, planned once: the parameters were sharded before Dynamo built its guards.
-    assert got["dynamo_graphs"] == 1 and got["backend"] == {"compiles": 1, "planned": 1, "reused": 0}, got
+    # One Dynamo graph, planned once: the parameters became DTensors before Dynamo built its guards, so no
+    # recompile follows over the steps.
+    assert got["dynamo_graphs"] == 1, got["dynamo_graphs"]
+    assert got["backend"] == {"compiles": 1, "planned": 1, "reused": 0, "replicated": 0}, got["backend"]
     assert got["grad_types"] == {"DTensor"} and got["state_dict_types"] <= {"DTensor"}
     assert got["loss_type"] == "Tensor"
     if kind != "solver":
         assert _sharded(got["placements"]), got["placements"]
     check_against_reference(name, results)
     _check_tight(name, results)
+
+
+# --- graph breaks, shapes, grad mode, plan cache, outputs, errors: one small model, one pool call ------------------
+class MLP(nn.Module):
+    def __init__(self, graph_break: bool = False, in_place: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 16)
+        self.graph_break, self.in_place = graph_break, in_place
+
+    def forward(self, x, y):
+        if self.in_place:
+            x.mul_(2)
+        h = F.silu(self.fc1(x))
+        if self.graph_break:
+            print("a graph break")  # Dynamo cannot trace print: the graph ends here and a second one starts
+        out = self.fc2(h)
+        return F.mse_loss(out, y), out
+
+
+MEGATRON = {"fc1.*": (Replicate(), Shard(0)), "fc2.weight": (Replicate(), Shard(1))}
+
+
+def _mlp_run(mesh, x, y, steps: int = 2, compile_first: bool = True, **kw) -> dict:
+    """`steps` SGD-free steps (gradients summed) of a compiled MLP and of one device; their losses, outputs
+    and gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP(**{k: kw.pop(k) for k in ("graph_break",) if k in kw})
+    ref = MLP()
+    ref.load_state_dict(model.state_dict())
+    b = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", **kw)
+    cm = torch.compile(model, backend=b, dynamic=False)
+    for _ in range(steps):
+        loss, out = cm(x, y)
+        loss.backward()
+        ref_loss, ref_out = ref(x, y)
+        ref_loss.backward()
+    grads = {n: (p.grad.full_tensor(), r.grad) for (n, p), r in zip(model.named_parameters(), ref.parameters())}
+    return dict(model=model, cm=cm, backend=b, loss=(loss.item(), ref_loss.item()), grads=grads,
+                out=out, ref_out=ref_out.detach(), placements={n: tuple(p.placements) for n, p in model.named_parameters()})
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def backend_behaviours(tmp: str) -> dict:
+    """Everything below on the (2, 2) mesh; returns what the test asserts (rank 0's view)."""
+    from torch._dynamo.utils import counters
+
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)
+    got: dict = {}
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+
+    # A graph break: the graph before it runs replicated, the one after is planned (fc2 sharded) and the value
+    # crossing the break gets its gradient back.
+    r = _mlp_run(mesh, x, y, graph_break=True)
+    got["break"] = dict(stats=r["backend"].stats, loss=r["loss"], placements=r["placements"],
+                        grads=all(close(a, b) for a, b in r["grads"].values()))
+
+    # Outputs: sharded DTensors by default, full tensors with outputs="global"; the same values as one device.
+    r = _mlp_run(mesh, x, y, steps=1)
+    got["sharded_out"] = (type(r["out"]).__name__, close(r["out"].full_tensor(), r["ref_out"]))
+    r = _mlp_run(mesh, x, y, steps=1, outputs="global")
+    got["global_out"] = (type(r["out"]).__name__, close(r["out"], r["ref_out"]))
+
+    # An optimizer made before the first call holds the replaced parameters: its step says so.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", cache_dir=tmp)
+    cm = torch.compile(model, backend=b, dynamic=False)
+    cm(x, y)[0].backward()
+    got["early_optimizer"] = _error(early.step)
+
+    # Other input shapes and no_grad: Dynamo traces again (the parameters now DTensors) and each new graph is
+    # planned with the parameters pinned where they are; the results match one device.
+    ref = MLP()
+    torch.manual_seed(0)
+    ref.load_state_dict(MLP().state_dict())
+    counters.clear()
+    got["half_batch"] = (cm(x[:8], y[:8])[0].item(), ref(x[:8], y[:8])[0].item())
+    with torch.no_grad():
+        got["no_grad"] = (cm(x, y)[0].item(), ref(x, y)[0].item())
+    got["placements_kept"] = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    got["after_first"] = dict(b.stats)
+    # The plan cache: the same graph compiled again (Dynamo's cache reset) reuses its plan, in this backend and
+    # (cache_dir) in a new one.
+    # (torch._dynamo.reset() also drops the backend's hook that lets Dynamo trace DTensor parameters again; a
+    # new backend object installs it.)
+    torch._dynamo.reset()
+    b2 = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", cache_dir=tmp)
+    cm(x, y)
+    torch.manual_seed(0)
+    torch.compile(MLP(), backend=b2, dynamic=False)(x, y)
+    got["cached"] = (dict(b.stats), dict(b2.stats))
+
+    # Errors that say what to change.
+    other = MLP()
+    other.fc1.weight = model.fc1.weight  # a parameter shared with the module the first backend sharded
+    got["shared"] = _error(lambda: torch.compile(other, backend=b2, dynamic=False)(x, y))
+    got["in_place"] = _error(lambda: torch.compile(MLP(in_place=True), backend=b2, dynamic=False)(x.clone(), y))
+    got["microbatches"] = _error(lambda: autopar.backend(mesh, config=autopar.Config(microbatches=2)))
+    got["not_a_mesh"] = _error(lambda: autopar.backend("cpu"))
+    got["fake_mesh"] = _error(lambda: autopar.backend(autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")))
+    return got if torch.distributed.get_rank() == 0 else {}
+
+
+def test_backend_behaviours(tmp_path):
+    """Graph breaks, outputs, an optimizer made too early, new shapes and no_grad after sharding, the plan cache
+    in memory and on disk, and the errors, on a small MLP (one pool call)."""
+    got = get_pool(4).run(backend_behaviours, str(tmp_path))[0]
+    brk = got["break"]
+    assert brk["stats"] == {"compiles": 2, "planned": 1, "reused": 0, "replicated": 1}, brk
+    assert brk["loss"][0] == pytest.approx(brk["loss"][1], rel=1e-6) and brk["grads"]
+    assert brk["placements"]["fc1.weight"] == (Replicate(), Replicate())  # before the break: replicated
+    assert brk["placements"]["fc2.weight"] == (Replicate(), Shard(1))  # after it: planned (pinned here)
+    assert got["sharded_out"] == ("DTensor", True) and got["global_out"] == ("Tensor", True)
+    assert "make the optimizer after the first call" in got["early_optimizer"]
+    for what in ("half_batch", "no_grad"):
+        assert got[what][0] == pytest.approx(got[what][1], rel=1e-5), what
+    assert got["placements_kept"] == {"fc1.weight": (Replicate(), Shard(0)), "fc1.bias": (Replicate(), Shard(0)),
+                                      "fc2.weight": (Replicate(), Shard(1)), "fc2.bias": (Replicate(), Replicate())}
+    assert got["after_first"] == {"compiles": 3, "planned": 3, "reused": 0, "replicated": 0}
+    assert got["cached"][0]["reused"] == 1 and got["cached"][1] == {"compiles": 1, "planned": 0, "reused": 1,
+                                                                    "replicated": 0}
+    assert "compiled with one backend object" in got["shared"]
+    assert "changes its input" in got["in_place"]
+    assert "one microbatch without pipeline stages" in got["microbatches"]
+    assert "DeviceMesh" in got["not_a_mesh"] and "real DeviceMesh" in got["fake_mesh"]
