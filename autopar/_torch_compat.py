@@ -357,3 +357,11 @@ def retarget_tensor_guards(guards: Any, replaced: dict[int, tuple[torch.Tensor, 
             pair = replaced.get(id(old)) if old is not None else None
             if pair is not None and pair[0] is old:
                 value.ref = weakref.ref(pair[1])
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """`gm` compiled by Inductor for these inputs (no Dynamo: usable where Dynamo is disabled, as inside a
+    torch.compile backend's compiled function); called as `fn(*args)`."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -525,7 +525,15 @@ class _CompiledStep:
         self._device = mesh_device(mesh)
         program.forward.to(self._device)  # constants the program holds
         program.backward.to(self._device)
-        self._runner = _Runner(program, mesh.device_type, compile=inner == "inductor")
+        if inner == "inductor":
+            from autopar.codegen import functional
+
+            # Each graph compiled by Inductor on its first call; not through torch.compile, as Dynamo is
+            # disabled while a backend's compiled function runs.
+            self._runner = _Runner(functional(program), mesh.device_type)
+            self._runner._graphs = tuple(g if g is None else _InductorGraph(g) for g in self._runner._graphs)
+        else:
+            self._runner = _Runner(program, mesh.device_type)
         self._coords, self._sizes = mesh_coords(mesh), tuple(mesh.mesh.shape)
         by_fqn = {fqn: i for i, fqn in {**graph.params, **graph.crossing}.items()}
         self._param_pos = [by_fqn.get(n) for n in program.param_names]
@@ -589,6 +597,18 @@ class _CompiledStep:
                 return x.to_local()
             x = x.full_tensor()
         return local_shard(x, layout, self._coords, self._sizes).to(self._device).contiguous()
+
+
+class _InductorGraph:
+    """A graph compiled by Inductor for the arguments of its first call (the Program's shapes are static)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self.fn = gm, None
+
+    def __call__(self, *args: Any):
+        if self.fn is None:
+            self.fn = compat.inductor_compile(self.gm, list(args))
+        return self.fn(*args)
 
 
 class _ReplicatedGraph:

@@ -263,3 +263,14 @@ def test_backend_behaviours(tmp_path):
     assert "changes its input" in got["in_place"]
     assert "one microbatch without pipeline stages" in got["microbatches"]
     assert "DeviceMesh" in got["not_a_mesh"] and "real DeviceMesh" in got["fake_mesh"]
+
+
+@pytest.mark.slow
+def test_inductor_inner_compiler_matches_single_device():
+    """The default inner compiler: the rank's forward and backward graphs compiled by Inductor (C++ on CPU,
+    Triton on GPU) train like one device under a sharded plan."""
+    shape, names = DP2XTP2
+    results = get_pool(math.prod(shape)).run(train_compiled, "mlp", shape, names, "fsdp_tp", "inductor")
+    assert results[0]["backend"]["planned"] == 1 and _sharded(results[0]["placements"])
+    check_against_reference("mlp", results)
+    _check_tight("mlp", results)
