@@ -47,7 +47,7 @@ def _unprefixed(named) -> dict:
     return {n.removeprefix("model."): t for n, t in named}
 
 
-def train_compiled(name: str, shape, names, kind: str, inner: str = "eager") -> dict:
+def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", with_parallelize: bool = False) -> dict:
     """Three AdamW steps of the compiled module (the optimizer made after the first call, FSDP2's convention),
     recording what the comparison with one device reads, and how often Dynamo compiled and autopar planned."""
     import torch._dynamo
@@ -85,6 +85,13 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager") -> 
     out["loss_type"] = type(loss).__name__
     out["dynamo_graphs"] = counters["stats"]["unique_graphs"]
     out["backend"] = dict(b.stats)
+    if with_parallelize:  # the same pins through autopar.parallelize: its first step's loss and gradients
+        model, inputs, loss_fn = build(name)
+        config = autopar.Config(solver=QUIET, **_pinned_config(name, model, inputs, shape, names, kind))
+        pm = autopar.parallelize(model, mesh, inputs, loss_fn=loss_fn, config=config)
+        loss = pm(*inputs)
+        loss.backward()
+        out["parallelize"] = {"loss": loss.item(), "grads": {k: _full(p.grad) for k, p in pm.named_parameters()}}
     return out if torch.distributed.get_rank() == 0 else {"losses": out["losses"]}
 
 
@@ -112,7 +119,8 @@ FAST = {("llama", "fsdp_tp")}
                                        for c in CASES])
 def test_compiled_module_matches_single_device(name, kind):
     shape, names = DP2XTP2
-    results = get_pool(math.prod(shape)).run(train_compiled, name, shape, names, kind)
+    results = get_pool(math.prod(shape)).run(train_compiled, name, shape, names, kind, "eager",
+                                             (name, kind) == ("mlp", "fsdp_tp"))
     got = results[0]
     # One Dynamo graph, planned once: the parameters became DTensors before Dynamo built its guards, so no
     # recompile follows over the steps.
@@ -124,6 +132,11 @@ def test_compiled_module_matches_single_device(name, kind):
         assert _sharded(got["placements"]), got["placements"]
     check_against_reference(name, results)
     _check_tight(name, results)
+    if "parallelize" in got:  # the compiled module and parallelize() under the same pins agree
+        want = got["parallelize"]
+        assert got["losses"][0] == pytest.approx(want["loss"], rel=1e-6)
+        for k, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-5, atol=1e-6 * g.abs().max().item() + 1e-12, msg=k)
 
 
 # --- graph breaks, shapes, grad mode, plan cache, outputs, errors: one small model, one pool call ------------------
@@ -166,6 +179,10 @@ def _mlp_run(mesh, x, y, steps: int = 2, compile_first: bool = True, **kw) -> di
     grads = {n: (p.grad.full_tensor(), r.grad) for (n, p), r in zip(model.named_parameters(), ref.parameters())}
     return dict(model=model, cm=cm, backend=b, loss=(loss.item(), ref_loss.item()), grads=grads,
                 out=out, ref_out=ref_out.detach(), placements={n: tuple(p.placements) for n, p in model.named_parameters()})
+
+
+def _as_returned(out, *inputs):
+    return out  # (loss, output), as MLP returns them
 
 
 def _error(fn) -> str:
@@ -237,6 +254,13 @@ def backend_behaviours(tmp: str) -> dict:
     got["in_place"] = _error(lambda: torch.compile(MLP(in_place=True), backend=b2, dynamic=False)(x.clone(), y))
     got["microbatches"] = _error(lambda: autopar.backend(mesh, config=autopar.Config(microbatches=2)))
     got["not_a_mesh"] = _error(lambda: autopar.backend("cpu"))
+    torch._dynamo.reset()
+    got["dynamic"] = _error(lambda: torch.compile(MLP(), backend=b2, dynamic=True)(x, y))
+
+    # The two-argument parallelize: planned on the first call; a call with other shapes says what to do.
+    pm = autopar.parallelize(MLP(), mesh, loss_fn=_as_returned, config=autopar.Config(solver=QUIET, pins=MEGATRON))
+    pm(x, y)
+    got["parallelize_shapes"] = _error(lambda: pm(x[:8], y[:8]))
     got["fake_mesh"] = _error(lambda: autopar.backend(autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")))
     return got if torch.distributed.get_rank() == 0 else {}
 
@@ -263,6 +287,8 @@ def test_backend_behaviours(tmp_path):
     assert "changes its input" in got["in_place"]
     assert "one microbatch without pipeline stages" in got["microbatches"]
     assert "DeviceMesh" in got["not_a_mesh"] and "real DeviceMesh" in got["fake_mesh"]
+    assert "dynamic=False" in got["dynamic"]
+    assert "the plan was made for [16, 32]" in got["parallelize_shapes"]
 
 
 @pytest.mark.slow
