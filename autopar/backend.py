@@ -28,6 +28,7 @@ import gc
 import hashlib
 import json
 import os
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -85,6 +86,10 @@ class Backend:
         self.mesh, self.config, self.inner, self.outputs, self.seed = mesh, config, inner, outputs, seed
         self.cache_dir = cache_dir
         self.stats = {"compiles": 0, "planned": 0, "reused": 0, "replicated": 0}
+        # Per planned graph: seconds to capture, to plan (or check a cached plan) and to generate the Program;
+        # `inner_s`: seconds Inductor spent compiling the programs' graphs (on their first calls).
+        self.timings: list[dict] = []
+        self.inner_s = [0.0]
         compat.implicit_replication_in_dynamo()  # torch._dynamo.reset() drops it; a new backend brings it back
         self._plans: dict[str, Plan] = {}
 
@@ -121,7 +126,7 @@ class Backend:
         self.stats["reused" if plan_reused else "planned"] += 1
         params, buffers, installs = _shard_in_place(graph, program, self.mesh, self)
         return _CompiledStep(program, graph, params, buffers, self.mesh, self.inner, self.outputs,
-                             runtime.agree_on_seed(self.seed)), installs
+                             runtime.agree_on_seed(self.seed), self.inner_s), installs
 
     def _replicated(self, gm: fx.GraphModule, graph: "_GraphInputs") -> tuple["_ReplicatedGraph", list]:
         """A graph before a graph break (no loss): its plain parameters become replicated DTensors, and it runs
@@ -145,9 +150,11 @@ class Backend:
         from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
         from autopar.plan_check import check_plan
 
+        t0 = time.perf_counter()
         with forward_only(step) if graph.forward_only else contextlib.nullcontext():
             comp = capture_step(step, self.mesh, graph.inputs, {}, _loss_and_outputs, config, template_layers=None,
                                 microbatches=1)
+        t1 = time.perf_counter()
         reject_collectives(comp.captured)
         cached = self._cached(key)
         reused = [cached is not None]
@@ -164,8 +171,12 @@ class Backend:
             raise ValueError("the torch.compile backend runs plans of one microbatch without pipeline stages for now; "
                              "use autopar.parallelize for microbatches and pipelines")
         self._store(key, plan)
+        t2 = time.perf_counter()
         rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(plan, comp.captured))
-        return comp.program(rank, plan), reused[0]
+        program = comp.program(rank, plan)
+        self.timings.append({"capture_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
+                             "reused": reused[0]})
+        return program, reused[0]
 
     def _cached(self, key: str) -> Plan | None:
         if key in self._plans:
@@ -517,7 +528,7 @@ class _CompiledStep:
     returns the graph's outputs: the replicated loss and the others as DTensors (or full tensors)."""
 
     def __init__(self, program, graph: _GraphInputs, params: dict, buffers: dict, mesh: DeviceMesh, inner: str,
-                 outputs: str, seed: int):
+                 outputs: str, seed: int, inner_s: list):
         from autopar.runtime.module import _Runner
         from autopar.runtime.state import mesh_coords, mesh_device
 
@@ -531,7 +542,7 @@ class _CompiledStep:
             # Each graph compiled by Inductor on its first call; not through torch.compile, as Dynamo is
             # disabled while a backend's compiled function runs.
             self._runner = _Runner(functional(program), mesh.device_type)
-            self._runner._graphs = tuple(g if g is None else _InductorGraph(g) for g in self._runner._graphs)
+            self._runner._graphs = tuple(g if g is None else _InductorGraph(g, inner_s) for g in self._runner._graphs)
         else:
             self._runner = _Runner(program, mesh.device_type)
         self._coords, self._sizes = mesh_coords(mesh), tuple(mesh.mesh.shape)
@@ -602,12 +613,14 @@ class _CompiledStep:
 class _InductorGraph:
     """A graph compiled by Inductor for the arguments of its first call (the Program's shapes are static)."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm, self.fn = gm, None
+    def __init__(self, gm: fx.GraphModule, seconds: list):
+        self.gm, self.fn, self.seconds = gm, None, seconds
 
     def __call__(self, *args: Any):
         if self.fn is None:
+            t0 = time.perf_counter()
             self.fn = compat.inductor_compile(self.gm, list(args))
+            self.seconds[0] += time.perf_counter() - t0
         return self.fn(*args)
 
 
