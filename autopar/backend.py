@@ -53,7 +53,8 @@ def backend(mesh: DeviceMesh, *, config: Config | None = None, inner: str = "ind
     inner: "inductor" (default) compiles the rank's forward and backward graphs with Inductor (Triton kernels
            on GPU, C++ on CPU); "eager" runs them as fx graphs.
     outputs: "sharded" (default) returns outputs other than the loss as DTensors in their planned layouts (no
-             gather of logits every step); "global" gathers each to a full tensor after the step.
+             gather of logits every step); "global" returns full tensors, each output pinned replicated in the plan
+             so the planner prices its gather.
     seed: base seed of dropout masks (default: rank 0's torch.initial_seed()).
     cache_dir: also keep plans on disk, one JSON file per graph, mesh and config, so a new process reuses them.
     Every rank compiles the same model with the same inputs; rank 0 plans and sends the plan to the others."""
@@ -87,6 +88,7 @@ class Backend:
         # Per planned graph: seconds to capture, to plan (or check a cached plan) and to generate the Program;
         # `inner_s`: seconds Inductor spent compiling the programs' graphs (on their first calls).
         self.timings: list[dict] = []
+        self.programs: list = []  # this rank's Program of each planned graph, in compile order (print one to read it)
         self.inner_s = [0.0]
         compat.implicit_replication_in_dynamo()  # torch._dynamo.reset() drops it; a new backend brings it back
         self._plans: dict[str, Plan] = {}
@@ -161,6 +163,8 @@ class Backend:
                                 microbatches=1)
         t1 = time.perf_counter()
         reject_collectives(comp.captured)
+        if self.outputs == "global":
+            _replicate_outputs(comp, self.mesh)
         cached = self._cached(key)
         reused = [cached is not None]
 
@@ -179,6 +183,7 @@ class Backend:
         t2 = time.perf_counter()
         rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(plan, comp.captured))
         program = comp.program(rank, plan)
+        self.programs.append(program)
         self.timings.append({"capture_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
                              "reused": reused[0]})
         return program, reused[0]
@@ -204,6 +209,14 @@ class Backend:
 
     def _path(self, key: str) -> str | None:
         return os.path.join(self.cache_dir, f"plan-{key[:32]}.json") if self.cache_dir else None
+
+
+def _replicate_outputs(comp, mesh: DeviceMesh) -> None:
+    """Pin every output other than the loss replicated (Config.pins' "act:" form), so the planner prices
+    gathering it inside the program, where it can overlap or be placed early, instead of after the step."""
+    keys = {node: key for key, nodes in comp.ctx.members.items() for node in nodes}
+    act = {f"act:{keys[o]}": _replicate(mesh) for o in comp.captured.outputs if o in keys}
+    comp.ctx.config = comp.ctx.config.with_(pins={**act, **dict(comp.ctx.config.pins or {})})
 
 
 def _rank() -> int:

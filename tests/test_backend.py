@@ -169,7 +169,8 @@ def _mlp_run(mesh, x, y, steps: int = 2, compile_first: bool = True, **kw) -> di
     model = MLP(**{k: kw.pop(k) for k in ("graph_break",) if k in kw})
     ref = MLP()
     ref.load_state_dict(model.state_dict())
-    b = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", **kw)
+    config = autopar.Config(solver=QUIET, pins=MEGATRON, input_placements=kw.pop("input_placements", None))
+    b = autopar.backend(mesh, config=config, inner="eager", **kw)
     cm = torch.compile(model, backend=b, dynamic=False)
     for _ in range(steps):
         loss, out = cm(x, y)
@@ -210,10 +211,14 @@ def backend_behaviours(tmp: str) -> dict:
                         grads=all(close(a, b) for a, b in r["grads"].values()))
 
     # Outputs: sharded DTensors by default, full tensors with outputs="global"; the same values as one device.
-    r = _mlp_run(mesh, x, y, steps=1)
+    # (The batch split over dp, so the output is sharded unless the plan gathers it.)
+    batch = {0: (Shard(0), Replicate()), 1: (Shard(0), Replicate())}
+    r = _mlp_run(mesh, x, y, steps=1, input_placements=batch)
     got["sharded_out"] = (type(r["out"]).__name__, close(r["out"].full_tensor(), r["ref_out"]))
-    r = _mlp_run(mesh, x, y, steps=1, outputs="global")
+    got["sharded_layout"] = [tuple(o.layout) for o in r["backend"].programs[-1].outputs]
+    r = _mlp_run(mesh, x, y, steps=1, outputs="global", input_placements=batch)
     got["global_out"] = (type(r["out"]).__name__, close(r["out"], r["ref_out"]))
+    got["global_layout"] = [tuple(o.layout) for o in r["backend"].programs[-1].outputs]
 
     # An optimizer made before the first call holds the replaced parameters: its step says so.
     torch._dynamo.reset()
@@ -275,6 +280,8 @@ def test_backend_behaviours(tmp_path):
     assert brk["placements"]["fc1.weight"] == (Replicate(), Replicate())  # before the break: replicated
     assert brk["placements"]["fc2.weight"] == (Replicate(), Shard(1))  # after it: planned (pinned here)
     assert got["sharded_out"] == ("DTensor", True) and got["global_out"] == ("Tensor", True)
+    assert got["sharded_layout"] == [(Shard(0), Replicate())]
+    assert got["global_layout"] == [(Replicate(), Replicate())]  # planned replicated, so priced
     assert "make the optimizer after the first call" in got["early_optimizer"]
     for what in ("half_batch", "no_grad"):
         assert got[what][0] == pytest.approx(got[what][1], rel=1e-5), what
