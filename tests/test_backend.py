@@ -112,7 +112,7 @@ def _sharded(placements: dict) -> bool:
 
 CASES = [("mlp", "solver"), ("mlp", "fsdp_tp"), ("llama", "solver"), ("llama", "fsdp_tp"),
          ("hf_llama", "fsdp_tp"), ("hf_gpt2", "fsdp"), ("hf_bert", "fsdp")]
-FAST = {("llama", "fsdp_tp")}
+FAST: set = set()  # `make test-fast` runs test_backend_behaviours; the matrix runs in `make test`
 
 
 @pytest.mark.parametrize("name,kind", [pytest.param(*c, id="-".join(c), marks=() if c in FAST else pytest.mark.slow)
