@@ -166,7 +166,6 @@ class Backend:
         if self.outputs == "global":
             _replicate_outputs(comp, self.mesh)
         cached = self._cached(key)
-        reused = [cached is not None]
 
         def make() -> Plan:
             if cached is not None:
@@ -185,8 +184,8 @@ class Backend:
         program = comp.program(rank, plan)
         self.programs.append(program)
         self.timings.append({"capture_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
-                             "reused": reused[0]})
-        return program, reused[0]
+                             "reused": cached is not None})
+        return program, cached is not None
 
     def _cached(self, key: str) -> Plan | None:
         if key in self._plans:

@@ -11,7 +11,8 @@ shards the parameters; with Inductor, the rank's forward and backward graphs com
 Dynamo's share is the first forward's wall time less the backend's and less a warm forward. Recompile: a fresh
 copy of the model compiled with the same backend object (Dynamo's caches reset), whose graph, shapes, mesh and
 config match: the cached plan is checked and reused, so only capture and codegen are paid. Step: forward +
-backward + AdamW, the mean of `--steps` steps after 3 warm-up steps, each ending at a barrier.
+backward + AdamW, the median of `--steps` steps after 3 warm-up steps, each between barriers, the compiled
+module's and parallelize()'s steps alternating.
 """
 from __future__ import annotations
 
@@ -48,21 +49,24 @@ def _build(name: str, batch: int, seq: int):
     return Step(Llama(cfg)), tokens
 
 
-def _steps(fn, params, n: int) -> float:
+def _steps(engines: list, n: int) -> list[float]:
+    """Median step time of each (step function, parameters), their steps alternating A B A B ... so a busy
+    machine slows both alike."""
     import torch.distributed as dist
 
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    times = []
+    opts = [torch.optim.AdamW(params, lr=1e-4, foreach=True) for _, params in engines]
+    times: list[list[float]] = [[] for _ in engines]
     for i in range(3 + n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn().backward()
-        opt.step()
-        opt.zero_grad()
-        dist.barrier()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.mean(times)
+        for (fn, _), opt, ts in zip(engines, opts, times):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn().backward()
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            if i >= 3:
+                ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def measure(name: str, batch: int, seq: int, steps: int, inner: str) -> dict:
@@ -93,7 +97,14 @@ def measure(name: str, batch: int, seq: int, steps: int, inner: str) -> dict:
            "dynamo_s": (t1 - t0) - backend_s - warm_fwd - inner_fwd,
            "capture_s": first["capture_s"], "plan_s": first["plan_s"], "codegen_s": first["codegen_s"],
            "inner_compile_s": inner_s}
-    compiled_step = _steps(lambda: cm(tokens), list(step.parameters()), steps)
+    # parallelize() of the same Step module with every parameter pinned where the backend's plan put it.
+    placed = {k: tuple(v) for k, v in next(iter(b._plans.values())).param_placements().items()}
+    model, _ = _build(name, batch, seq)
+    pm = autopar.parallelize(model, mesh, (tokens,), config=config.with_(pins=placed), compile=inner == "inductor")
+    compiled_s, parallelize_s = _steps([(lambda: cm(tokens), list(step.parameters())),
+                                        (lambda: pm(tokens), list(pm.parameters()))], steps)
+    out.update(compiled_step_s=compiled_s, parallelize_step_s=parallelize_s,
+               same_parameter_placements=pm.plan.param_placements() == placed)
     # Recompile with the plan cache warm: a fresh model, the same backend object.
     torch._dynamo.reset()
     fresh, _ = _build(name, batch, seq)
@@ -105,12 +116,6 @@ def measure(name: str, batch: int, seq: int, steps: int, inner: str) -> dict:
     out.update(recompile_s=time.perf_counter() - t0, recompile_capture_s=again["capture_s"],
                recompile_plan_s=again["plan_s"], recompile_codegen_s=again["codegen_s"],
                recompile_inner_s=b.inner_s[0], reused=bool(again["reused"]))
-    # parallelize() of the same Step module with every parameter pinned where the backend's plan put it.
-    placed = {k: tuple(v) for k, v in next(iter(b._plans.values())).param_placements().items()}
-    model, _ = _build(name, batch, seq)
-    pm = autopar.parallelize(model, mesh, (tokens,), config=config.with_(pins=placed), compile=inner == "inductor")
-    out.update(compiled_step_s=compiled_step, parallelize_step_s=_steps(lambda: pm(tokens), list(pm.parameters()), steps),
-               same_parameter_placements=pm.plan.param_placements() == placed)
     return out
 
 
