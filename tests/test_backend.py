@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.testing.compare import assert_all_close
 from autopar.testing.dist import get_pool
 from test_execution import (CLIP, LR, MESHES, QUIET, STEPS, _full, _mesh, _pinned_config, build,
                             check_against_reference, reference)
