@@ -22,9 +22,10 @@ MODULE_KEY = "autopar_module"  # the node annotation capture reads (autopar/_tor
 
 @dataclasses.dataclass
 class GraphInputs:
-    """Which graph input is which: `params` and `buffers` map input positions to FQNs under `root`; `inputs` are
-    the positions of the call's own tensors (the captured model's arguments, in order); `loss` is the position
-    of the loss among the graph's outputs, which number `n_outputs`.
+    """Which graph input is which: `params` and `buffers` map input positions to FQNs under `root`;
+    `input_positions` are the positions of the call's own tensors (the captured model's arguments, in order, whose
+    example values are `inputs`); `loss` is the position of the loss among the graph's outputs, which number
+    `n_outputs`; the graph takes `n_flat` inputs.
 
     `forward_only`: traced under no_grad, planned and run without a backward. `replicated`: a graph before a
     graph break, which returns values that require grad but no loss: it runs unplanned on every rank, on the
