@@ -5,9 +5,10 @@
    as the program prices it, it is the optimal plan (the usual case when the memory limit does not bind).
 2. Otherwise solve the program restricted to the strategies the relaxation uses, plus, when the memory limit
    binds, each parameter's most sharded storage (a small program, quick; RENS in the MIP literature). If its
-   plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies a
-   second relaxation uses under a 10% tighter limit and solve again: the relaxation fills the limit exactly by
-   mixing strategies, a plan needs room to spare. The best of these plans is the warm start.
+   plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies of
+   relaxations without memory rows that charge each strategy's bytes at the first relaxation's shadow prices
+   times a markup (`_priced_support`) and solve again: the relaxation fills the limit exactly by mixing
+   strategies, a plan needs room to spare. The best of these plans is the warm start.
 3. Without `relative_gap` (the default), the warm start is the plan, reported with its gap to the relaxation's
    bound. With one, stop if the warm start is within it, else solve the whole program from the warm start until
    the plan is proven within it.
@@ -29,7 +30,7 @@ from autopar.solver.dispatch import solve
 from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, ProgramInfeasible
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
-_TIGHTER = 0.9  # the second relaxation's memory limit, as a fraction of the real one
+_MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_support)
 _HALF_GAP = 0.025  # without a gap to prove, a warm start this far from the bound still tries the second one
 _WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
 
@@ -89,6 +90,7 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         lb, x, size = relaxation_highs(p, _remaining(deadline))
     except SolverTimeout as e:
         raise _timeout(e, seen) from None
+    prices = size.pop("memory_prices", [])
     timings["relaxation_seconds"] = time.perf_counter() - t
     binding = p.memory is not None and p.memory_limit is not None and p.memory.peak(
         {k: {i: w for i, w in enumerate(v) if w > _SUPPORT} for k, v in x.items()}) >= p.memory_limit * (1 - 1e-9)
@@ -104,14 +106,10 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     keep = _union(_support(x), _least_static(p)) if binding else _support(x)
     start = _warm_start(p, keep, backend, deadline, seen)
     if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
-        try:
-            _, x2, _ = relaxation_highs(dataclasses.replace(p, memory_limit=p.memory_limit * _TIGHTER),
-                                     _remaining(deadline))
-            second = _warm_start(p, _union(keep, _support(x2)), backend, deadline, seen)
-            if second is not None and (start is None or second.objective_s < start.objective_s):
-                start = second
-        except (ProgramInfeasible, SolverTimeout):
-            pass
+        keep = _priced_support(p, prices, keep, deadline)
+        second = _warm_start(p, keep, backend, deadline, seen)
+        if second is not None and (start is None or second.objective_s < start.objective_s):
+            start = second
     timings["warm_start_seconds"] = time.perf_counter() - t
     if start is not None and (relative_gap is None or _within(start, lb, relative_gap)):
         r = dataclasses.replace(start, bound_s=lb,
@@ -122,6 +120,38 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
                   "warm start, then search")
     out.result.stats.update(memory_binds=binding)
     return out
+
+
+def _priced_support(p: IlpProblem, prices: list[float], keep: dict[str, list[int]], deadline: float | None
+                    ) -> dict[str, list[int]]:
+    """`keep` plus the strategies plans use when memory costs time: the relaxations of the program without
+    memory rows, each strategy charged its bytes at the bounded relaxation's shadow prices times a markup. At
+    0 that is the unbounded plan (what to keep where memory is not tight); above 1 memory is priced above its
+    marginal value, since the bounded relaxation fills the limit exactly by mixing strategies and a plan
+    needs room to spare. Each is an unbounded relaxation, several times faster than one with memory rows."""
+    from autopar.solver.highs import relaxation_highs
+
+    mem, total = p.memory, sum(prices)
+    if not total:
+        return keep
+    weight = [0.0] * len(mem.terms)  # seconds per byte of each allocation term, summed over the points
+    for price, row in zip(prices, mem.weights):
+        for t, w in row.items():
+            weight[t] += price * w
+    for markup in _MARKUPS:
+        compute = {k: list(v) for k, v in p.compute.items()}
+        for k, v in mem.static.items():
+            compute[k] = [c + markup * total * b for c, b in zip(compute[k], v)]
+        for (k, b), w in zip(mem.terms, weight):
+            if w:
+                compute[k] = [c + markup * w * x for c, x in zip(compute[k], b)]
+        try:
+            _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None),
+                                       _remaining(deadline))
+        except (ProgramInfeasible, SolverTimeout):
+            return keep
+        keep = _union(keep, _support(x))
+    return keep
 
 
 def least_memory(p: IlpProblem) -> dict[str, int]:

@@ -61,7 +61,8 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
 
 
 def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]], dict]:
-    """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size)."""
+    """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size).
+    With memory rows, size["memory_prices"] holds each candidate point's shadow price (seconds per byte)."""
     t0 = time.perf_counter()
     prog = build_program(p)
     proto = _model(prog, "time")
@@ -71,7 +72,14 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
     x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
-    size = {"variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
+    n_points = len(prog.points) if prog.static or prog.terms else 0
+    duals = res.solutions[0].dual_solution.dual_values
+    dual = dict(zip(duals.ids, duals.values))
+    rows = len(proto.linear_constraints.ids)
+    # The point rows come last (_model); a binding <= row of a minimization has a dual <= 0.
+    prices = [max(-dual.get(r, 0.0), 0.0) * SECONDS_PER_HIGHS_TIME_UNIT / BYTES_PER_HIGHS_MEMORY_UNIT
+              for r in range(rows - n_points, rows)]
+    size = {"memory_prices": prices, "variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
             "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
             "build_seconds": t1 - t0, "solve_seconds": time.perf_counter() - t1}
     return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
