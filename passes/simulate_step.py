@@ -64,6 +64,7 @@ def simulate(ctx: PassContext) -> Simulation:
     moved: dict[tuple, float] = {}  # (value, layout, phase) -> when the redistributed copy is ready
     m = ctx.microbatches
     deferred: list[tuple] = []
+    rerun: set[fx.Node] = set()
 
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
@@ -125,7 +126,18 @@ def simulate(ctx: PassContext) -> Simulation:
                 moved[moved_key] = comm(info.inputs[i].shape, dtype, _out_layout(ctx, a), strat.ins[i], ready[a],
                                         scale * regather, ctx.captured.names[node])
             t_in = max(t_in, moved[moved_key])
-        dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
+        if cap.phase[node] == "bwd" and ctx.recomputed:
+            # Recomputed forward values are computed again right before the first backward op reading them.
+            again = _to_recompute(ctx, node, rerun)
+            if again:
+                t = sum(_duration(ctx, n) for n in again)
+                begin = max(compute_free, t_in)
+                compute_free = begin + t
+                total_compute += t
+                node_time["recompute"] += t
+                if len(timeline) < 4000:
+                    timeline.append(("compute", f"recompute {ctx.captured.names[again[0]]} ...", begin, compute_free))
+        dur = _duration(ctx, node)
         start = max(compute_free, t_in)
         compute_free = start + dur
         total_compute += dur
@@ -160,6 +172,30 @@ def simulate(ctx: PassContext) -> Simulation:
                       exposed_comm=max(0.0, step - opt - total_compute), optimizer_time=opt, peak_memory=peak,
                       memory=memory, comm_by_axis=dict(comm_axis), comm_bytes_by_axis=dict(comm_bytes),
                       node_time=dict(node_time), top_ops=top, timeline=timeline)
+
+
+def _duration(ctx: PassContext, node: fx.Node) -> float:
+    key = ctx.key[node]
+    return ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * _scale(ctx, node)[1]
+
+
+def _to_recompute(ctx: PassContext, node: fx.Node, done: set[fx.Node]) -> list[fx.Node]:
+    """The recomputed forward nodes a backward node needs that backward has not recomputed yet, in order (marked
+    done). Parameter-only values (recomputed in any case, priced with their gathers) are left out."""
+    out: list[fx.Node] = []
+
+    def need(n: fx.Node) -> None:
+        if n in done or n not in ctx.recomputed or n in ctx.param_derived:
+            return
+        done.add(n)
+        for a in n.all_input_nodes:
+            need(a)
+        if n.target is not operator.getitem:
+            out.append(n)
+
+    for a in node.all_input_nodes:
+        need(a)
+    return out
 
 
 def _shard(layout, sizes) -> int:
