@@ -18,6 +18,7 @@ backward of the last one.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -39,7 +40,16 @@ _KEPT_BY_SELECTIVE = frozenset({
 
 
 def random(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """Whether the op draws random numbers: tagged so, and not an attention or dropout run with probability 0
+    (scaled dot-product attention kernels carry the tag for their optional dropout)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name in ("dropout_p", "p"):
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            return not (isinstance(v, (int, float)) and v == 0)
+    return True
 
 
 def kept_by_selective(node: fx.Node) -> bool:
@@ -67,8 +77,13 @@ def recomputed_nodes(cap: Any, variants: Mapping[str, str]) -> set[fx.Node]:
         v = variants.get(prefix, "keep")
         if v == "keep" or n in region or n.op != "call_function" or cap.phase.get(n) != "fwd":
             continue
+        if n.target is operator.getitem:
+            continue  # a tuple element follows its producer, below
         if v == "full" or not kept_by_selective(n):
             region[n] = ("layer", prefix, i)
+    for n in cap.block_of:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in region:
+            region.setdefault(n, region[n.args[0]])
 
     def home(u: fx.Node):
         if u in region:
