@@ -243,3 +243,11 @@ def pipeline_schedule_order(schedule: str, pp: int, microbatches: int, stages_pe
     ops = get_schedule_ops(cls, pp, microbatches, stages_per_rank if multi else None)
     return tuple(tuple((int(a.stage_index), a.computation_type.value, int(a.microbatch_index)) for a in rank
                        if a is not None and a.is_compute_op) for rank in ops)
+
+
+def memory_tracker() -> Any:
+    """torch.distributed._tools.mem_tracker.MemTracker: live tensor storage bytes per device, deduplicated by
+    storage, by kind (parameters, gradients, optimizer state, activations, temporaries), with their peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
