@@ -8,8 +8,9 @@ key share shapes, so a key has one bytes vector. The peak of a plan is the large
 constrains every candidate point, so the plan it returns fits as the step simulator measures it.
 
 Liveness: an allocation lives from its node to its last reader (a view, or a tuple element, shares its base's
-allocation, and a view of a graph input holds none); gradients leave at once for the persistent gradient
-buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
+allocation, and a view of a graph input holds none), and a value saved for backward until the backward ends
+(the runtime passes the saved tensors to the backward graph as inputs, held until it returns); gradients leave
+at once for the persistent gradient buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
 again during their backward uses, since codegen recomputes them in backward rather than saving them; so do
 recomputed activations (autopar/recompute.py: the plan's recomputed layers and the model's checkpointed
 regions), from the point backward first needs them, and the values they are recomputed from are kept until then.
@@ -85,6 +86,7 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
             o = owner.get(a)
             if o is not None:
                 uses[o].append(pos[u])
+    last_bwd = max((pos[n] for n in nodes if n.op == "call_function" and cap.phase[n] == "bwd"), default=0)
     need = _recompute_points(cap, nodes, pos, recomputed)
     for n, at in need.items():
         for a in n.all_input_nodes:  # what n is recomputed from stays until then
@@ -114,9 +116,12 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
         else:
             if cap.phase[o] == "fwd" and bwd:
                 # Kept for the backward: one copy per layer the template stands for, and under a pipeline
-                # one per microbatch a stage holds in flight (passes/split_stages.py).
+                # one per microbatch a stage holds in flight (passes/split_stages.py). The runtime hands the
+                # saved tensors to the backward graph as its inputs, which live until it returns.
                 w = _scale(ctx, o)[1] * factor.get(key, 1.0)
-            spans = [(pos[o], max(uses[o], default=pos[o]))]
+                spans = [(pos[o], last_bwd)]
+            else:
+                spans = [(pos[o], max(uses[o], default=pos[o]))]
         events.extend((lo, hi, col[key], w) for lo, hi in spans)
     delta = np.zeros((len(nodes) + 1, len(keys)))
     for lo, hi, c, w in events:

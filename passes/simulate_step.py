@@ -231,7 +231,8 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     opt_b = trained * p.optimizer_state_bytes_per_param
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
     accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
-    static = param_b + grad_b + opt_b + master + accumulation
+    buckets = grad_bucket_bytes(ctx)
+    static = param_b + grad_b + opt_b + master + accumulation + buckets
     peak = memory_profile(ctx).peak(ctx.choice)[1]
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
@@ -241,7 +242,60 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         return stage_memory(ctx, mem, peak)
     if accumulation:
         mem["grad_accumulation"] = int(accumulation)
+    if buckets:
+        mem["grad_buckets"] = int(buckets)
     return mem, int(static + peak)
+
+
+def grad_bucket_bytes(ctx: PassContext) -> float:
+    """Gradient collective buffers at the end of the backward, beside every saved activation: the largest
+    gradient bucket (autopar/codegen/grad_sync.py: the gradients of a bucket are copied into one flat buffer
+    reduced in place, and while it is written both copies live; buckets filled as codegen fills them, per kind
+    of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others), and
+    the produced gradients reduced one by one (issued as soon as they exist and waited for at the end, so their
+    inputs live until then)."""
+    from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES, bucketed
+    from autopar.redistribute import plan_steps
+
+    if ctx.microbatches > 1:  # reduced once per step from the accumulated gradients (counted apart)
+        return 0.0
+    kinds: dict[tuple, list[float]] = {}
+    alone = 0.0
+    for fqn in reversed(list(ctx.captured.grads)):
+        u, idx = producer(ctx.captured.grads[fqn])
+        pnode = ctx.captured.params[fqn]
+        src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
+        steps = plan_steps(tuple(src), tuple(dst))
+        axes = bucketed(steps)
+        size = local_bytes(tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype, src, ctx.mesh.shape)
+        if axes is None:
+            if any(st.is_comm for st in steps):  # issued at once, waited for at the end: its input lives
+                alone += size * _scale(ctx, pnode)[1]
+            continue
+        kinds.setdefault((steps[0].kind, axes), []).extend([size] * max(1, round(_scale(ctx, pnode)[1])))
+    largest = 0.0
+    for kind, sizes in kinds.items():
+        first = FIRST_BUCKET_BYTES if kind[0] == "all_reduce" else None
+        n, total = 0, 0.0
+        for size in sizes:
+            cap = first if first is not None and n == 1 else BUCKET_BYTES
+            if n == 0 or (total and total + size > cap):
+                n, total = n + 1, 0.0
+            total += size
+            largest = max(largest, total)
+    return largest + alone
+
+
+def bucket_reserve(ctx: PassContext) -> float:
+    """What the integer program sets aside for the gradient buckets (grad_bucket_bytes depends on the placements
+    in a way its rows cannot say): one bucket, or all gradients at full size where they are less."""
+    if ctx.microbatches > 1:
+        return 0.0
+    from autopar.codegen.grad_sync import BUCKET_BYTES
+
+    total = sum(math.prod(ctx.captured.params[f].meta["val"].shape) * _scale(ctx, ctx.captured.params[f])[1]
+                for f in ctx.captured.grads) * torch.tensor([], dtype=ctx.precision.grad_dtype).element_size()
+    return float(min(BUCKET_BYTES, total))
 
 
 def _accumulation_bytes(ctx: PassContext) -> float:

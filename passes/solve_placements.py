@@ -210,9 +210,9 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
 def _solve_one(ctx: PassContext) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
     program under ctx's recompute variants."""
-    from autopar.passes.simulate_step import simulate
+    from autopar.passes.simulate_step import bucket_reserve, simulate
 
-    limit = float(ctx.memory_limit)
+    limit = float(ctx.memory_limit) - (0.0 if ctx.pipeline is not None else bucket_reserve(ctx))
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
     problem = build_problem(ctx, limit)
