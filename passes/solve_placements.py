@@ -288,7 +288,12 @@ def _raise_infeasible(ctx: PassContext) -> None:
     recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
+    from autopar.passes.simulate_step import bucket_reserve
+
+    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
+    consumers.append((reserve, "gradient buckets"))
     consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[k]]), k)
                   for c, k in enumerate(prof.keys)]
     consumers.sort(reverse=True)
