@@ -12,8 +12,8 @@ import collections
 import torch
 import torch.fx as fx
 
-from autopar.passes import recompute_variants
 from autopar.passes.context import Edge, PassContext
+from autopar.recompute import VARIANTS, model_checkpointed_stacks, recomputed_nodes
 from autopar.rules.base import flat_tensor_args, op_info
 
 
@@ -87,8 +87,33 @@ def _roles(gm: fx.GraphModule, ctx: PassContext) -> None:
         ins = node.all_input_nodes
         if ins and all(a in params or a in ctx.param_derived for a in ins):
             ctx.param_derived.add(node)
-    recompute_variants.baseline(ctx)  # ctx.recomputed: what backward recomputes before the solver decides more
+    recompute_baseline(ctx)  # ctx.recomputed: what backward recomputes before the solver decides more
     ctx.saved = saved_keys(ctx)
+
+
+# Combinations of recompute variants over several layer stacks the solver tries; stacks beyond stay as fixed
+# (no model has come close: one stack is the rule, an encoder-decoder has two).
+MAX_COMBINATIONS = 27
+
+
+def recompute_baseline(ctx: PassContext) -> None:
+    """ctx.recompute (stack -> variant, before the solve), ctx.recompute_by (stack -> "model", "config" or
+    "solver"), ctx.recompute_offered (stacks the solver decides) and ctx.recomputed."""
+    cap = ctx.captured
+    mode = ctx.config.recompute
+    by_model = model_checkpointed_stacks(cap)
+    ctx.recompute, ctx.recompute_by, ctx.recompute_offered = {}, {}, []
+    for b in cap.blocks:
+        if b.prefix in by_model:
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "full", "model"
+        elif mode in ("selective", "full"):
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = mode, "config"
+        else:
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "keep", "config" if mode == "off" else "solver"
+            if mode == "auto" and len(VARIANTS) ** (len(ctx.recompute_offered) + 1) <= MAX_COMBINATIONS:
+                ctx.recompute_offered.append(b.prefix)
+    ctx.recompute_fixed = dict(ctx.recompute)
+    ctx.recomputed = recomputed_nodes(cap, ctx.recompute)
 
 
 def saved_keys(ctx: PassContext) -> set[str]:

@@ -2,7 +2,7 @@
 split_stages and build_plan, not a pass): which layer stacks recompute (autopar/recompute.py), as data the
 integer program chooses with the placements.
 
-    annotate_shapes:   baseline -- the variants fixed before the solve (Config.recompute "off", "selective",
+    annotate_shapes:   recompute_baseline -- the variants fixed before the solve (Config.recompute "off", "selective",
                        "full"; the model's own checkpointed stacks), and the stacks the solver decides ("auto")
     solve_placements:  combinations, apply -- the program's recompute booleans (one per stack and variant) are
                        branched on first: each combination of variants makes the placement program whose
@@ -19,31 +19,8 @@ import itertools
 import torch.fx as fx
 
 from autopar.passes.context import PassContext
-from autopar.recompute import VARIANTS, model_checkpointed_stacks, recomputed_nodes
+from autopar.recompute import VARIANTS, recomputed_nodes
 
-# Combinations of variants over several layer stacks whose memory rows the program holds; beyond, stacks beyond
-# the first are fixed to "keep" (no model has come close: one stack is the rule, an encoder-decoder has two).
-MAX_COMBINATIONS = 27
-
-
-def baseline(ctx: PassContext) -> None:
-    """ctx.recompute (stack -> variant, before the solve), ctx.recompute_by (stack -> "model", "config" or
-    "solver"), ctx.recompute_offered (stacks the solver decides) and ctx.recomputed."""
-    cap = ctx.captured
-    mode = ctx.config.recompute
-    by_model = model_checkpointed_stacks(cap)
-    ctx.recompute, ctx.recompute_by, ctx.recompute_offered = {}, {}, []
-    for b in cap.blocks:
-        if b.prefix in by_model:
-            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "full", "model"
-        elif mode in ("selective", "full"):
-            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = mode, "config"
-        else:
-            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "keep", "config" if mode == "off" else "solver"
-            if mode == "auto" and len(VARIANTS) ** (len(ctx.recompute_offered) + 1) <= MAX_COMBINATIONS:
-                ctx.recompute_offered.append(b.prefix)
-    ctx.recompute_fixed = dict(ctx.recompute)
-    ctx.recomputed = recomputed_nodes(cap, ctx.recompute)
 
 
 def fractions(ctx: PassContext, recomputed: set[fx.Node]) -> dict[str, float]:

@@ -210,23 +210,30 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
 def _solve_one(ctx: PassContext) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
     program under ctx's recompute variants."""
-    from autopar.passes.simulate_step import bucket_reserve, simulate
+    from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes, simulate
 
-    limit = float(ctx.memory_limit) - (0.0 if ctx.pipeline is not None else bucket_reserve(ctx))
+    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
-    problem = build_problem(ctx, limit)
-    reduced = reduce_problem(problem)
-    try:
-        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
-                            relative_gap=sc.relative_gap, on_progress=report)
-    except SolverTimeout as e:
-        smallest = getattr(e, "smallest_peak", None)
-        if smallest is None:
-            smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
-        raise SolverTimeout(_timeout_message(ctx, smallest)) from None
-    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
-    ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+    for _ in range(3):
+        # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
+        # than a bucket goes alone), set that aside and solve again.
+        problem = build_problem(ctx, float(ctx.memory_limit) - reserve)
+        reduced = reduce_problem(problem)
+        try:
+            out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
+                                relative_gap=sc.relative_gap, on_progress=report)
+        except SolverTimeout as e:
+            smallest = getattr(e, "smallest_peak", None)
+            if smallest is None:
+                smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
+            raise SolverTimeout(_timeout_message(ctx, smallest)) from None
+        result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+        ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+        buckets = 0.0 if ctx.pipeline is not None else grad_bucket_bytes(ctx)
+        if buckets <= reserve:
+            break
+        reserve = buckets
     step = simulate(ctx).step_time if len(recompute_variants.combinations(ctx)) > 1 else 0.0
     return problem, out, reduced, result, dict(ctx.recompute), step
 
