@@ -67,11 +67,11 @@ def model_checkpointed_stacks(cap: Any) -> set[str]:
     return out
 
 
-def recomputed_nodes(cap: Any, variants: Mapping[str, str]) -> set[fx.Node]:
+def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) -> set[fx.Node]:
     """Forward nodes of `cap` that backward recomputes under `variants` ({stack prefix: variant}), together with
-    the model's own checkpointed regions."""
+    the model's own checkpointed regions (without them: model=False, to say what they save)."""
     region: dict[fx.Node, tuple] = {}
-    for n in cap.checkpointed:
+    for n in cap.checkpointed if model else ():
         region[n] = ("checkpoint", compat.checkpoint_region(n))
     for n, (prefix, i) in cap.block_of.items():
         v = variants.get(prefix, "keep")

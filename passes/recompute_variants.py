@@ -9,7 +9,7 @@ integer program chooses with the placements.
                        compute holds the recomputed ops' forward time on their local shapes (per strategy) and
                        whose memory rows hold that combination's liveness; solve_placements solves each (keeping
                        activations first, and stops there when memory does not bind) and keeps the fastest
-    simulate_step:     recompute_time -- seconds one key's recomputation takes under the chosen strategy
+    split_stages:      fractions -- the share of each key's instances recomputed, priced into a layer's backward
     build_plan:        summary -- per stack: variant, who chose it, time added, memory saved
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch.fx as fx
 
 from autopar.passes.context import PassContext
 from autopar.recompute import VARIANTS, recomputed_nodes
-
 
 
 def fractions(ctx: PassContext, recomputed: set[fx.Node]) -> dict[str, float]:
@@ -90,7 +89,8 @@ def summary(ctx: PassContext) -> dict[str, dict]:
         mine = {n for n in ctx.recomputed if ctx.captured.block_of.get(n, ("",))[0] == prefix}
         t = sum(recompute_time(ctx, k, ctx.choice[k], share)
                 for k in {ctx.key[n] for n in mine if ctx.key[n] in ctx.choice})
-        others = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix})
+        others = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix},
+                                  model=ctx.recompute_by[prefix] != "model")
         saved = _build(ctx, others).peak(ctx.choice)[1] - memory_peak(ctx)
         out[prefix] = {"variant": variant, "by": ctx.recompute_by[prefix],
                        "time_s": float(f"{ctx.microbatches * t:.6g}"), "saved_bytes": int(max(0.0, saved))}
@@ -103,4 +103,4 @@ def memory_peak(ctx: PassContext) -> float:
     return memory_profile(ctx).peak(ctx.choice)[1]
 
 
-__all__ = ["baseline", "combinations", "apply", "summary", "recompute_time", "fractions"]
+__all__ = ["combinations", "apply", "summary", "recompute_time", "fractions"]

@@ -190,6 +190,7 @@ def test_the_models_own_checkpointing_is_recorded_as_full_recomputation():
                         config=Config(solver=QUIET, recompute="off"), template_layers=None)
     assert comp.plan.recompute["model.layers"]["variant"] == "full"
     assert comp.plan.recompute["model.layers"]["by"] == "model"
+    assert comp.plan.recompute["model.layers"]["saved_bytes"] > 0 and comp.plan.recompute["model.layers"]["time_s"] > 0
     prog = comp.program(RankSpec.fake(NAMES, SHAPE, (0, 1)))
     # Each layer saves its input: not a chain back to the first layer, whose input alone would be saved.
     layer_inputs = [s for s in prog.saved if "input_layernorm" in s or "add" in s]
