@@ -142,6 +142,17 @@ def test_plan_records_the_variant_and_round_trips():
     assert "full (each layer recomputed from its input)" in plan.explain("layers")
     assert "recomputes its activations (full)" in plan.explain("layers.*.attention.wq/fwd/mm")
     assert "ac" not in compiled("llama", "off").plan.techniques
+    # A hand-edited recompute entry is checked where the plan meets the model.
+    from autopar.errors import PlanMismatchError
+    from autopar.plan_check import check_plan
+
+    check_plan(plan, compiled("llama", "off"))
+    edited = Plan.from_json(plan.to_json())
+    edited.recompute = {"blocks": dict(rc)}
+    with pytest.raises(PlanMismatchError, match="recomputes the layer stack 'blocks', which this model lacks"):
+        check_plan(edited, compiled("llama", "off"))
+    with pytest.raises(autopar.PlanMismatchError, match="variant is one of"):
+        Plan.from_json(plan.to_json().replace('"variant": "full"', '"variant": "most"'))
 
 
 def test_recomputing_costs_time_and_saves_activation_memory():
