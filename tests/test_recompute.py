@@ -140,6 +140,9 @@ def test_plan_records_the_variant_and_round_trips():
     text = str(plan)
     assert "recompute" in text and "layers: full" in text and "ac" in text
     assert "full (each layer recomputed from its input)" in plan.explain("layers")
+    from autopar.inspect.report import build_sections
+
+    assert "layers: full, +" in build_sections(plan)[0][1]
     assert "recomputes its activations (full)" in plan.explain("layers.*.attention.wq/fwd/mm")
     assert "ac" not in compiled("llama", "off").plan.techniques
     # A hand-edited recompute entry is checked where the plan meets the model.
