@@ -365,3 +365,11 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
+
+
+def memory_tracker() -> Any:
+    """torch.distributed._tools.mem_tracker.MemTracker: live tensor storage bytes per device, deduplicated by
+    storage, by kind (parameters, gradients, optimizer state, activations, temporaries), with their peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

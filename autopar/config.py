@@ -106,6 +106,9 @@ def resolve_fp8(fp8: "str | Fp8Config | None") -> Fp8Config:
     raise ValueError(f"Config(fp8=...) takes 'off', 'auto', 'all' or an Fp8Config, got {type(fp8).__name__}")
 
 
+RECOMPUTE_MODES = ("auto", "off", "selective", "full")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How to plan. Every field left as None is inferred from the mesh and the device.
@@ -153,6 +156,14 @@ class Config:
     pipeline_schedule: a torch.distributed.pipelining schedule class name ("ScheduleGPipe", "Schedule1F1B",
                        "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") to run
                        instead of the one the planner finds fastest; None: the planner's choice.
+    recompute: activation recomputation of the repeated layers (autopar/recompute.py). "auto" (default): the
+               integer program chooses per layer stack, with the placements, whether its layers keep their
+               activations for backward, recompute the cheap memory-heavy ops ("selective": norms, activation
+               functions, attention internals; matmul and fused-attention outputs are kept) or recompute the
+               whole layer from its input ("full"), pricing the recompute time on the local shapes and counting
+               the saved bytes in the memory rows. "off": never; "selective" / "full": every layer stack so.
+               Layers the model checkpoints itself (torch.utils.checkpoint, transformers'
+               gradient_checkpointing_enable) are recomputed in full whatever this says.
     """
 
     device: str | None = None
@@ -168,6 +179,7 @@ class Config:
     microbatches: int | str | None = None
     pipeline: str | None = None
     pipeline_schedule: str | None = None
+    recompute: str = "auto"
     solver: SolverConfig = SolverConfig()
 
     @property
@@ -186,6 +198,9 @@ class Config:
             if self.pipeline_schedule not in SCHEDULES:
                 raise ValueError(f"Config(pipeline_schedule={self.pipeline_schedule!r}): use one of "
                                  f"{', '.join(SCHEDULES)}, or None for the planner's choice")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"Config(recompute={self.recompute!r}): use 'auto' (the planner decides per layer "
+                             "stack), 'off', 'selective' or 'full'")
         if self.pipeline not in (None, "auto"):
             raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
                              "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")

@@ -183,6 +183,10 @@ class Plan:
     microbatches: int = 1
     # Pipeline stages (over a mesh axis named pp), None without.
     pipeline: PipelinePlan | None = None
+    # Activation recomputation per repeated layer stack (autopar/recompute.py): prefix -> {"variant": "keep",
+    # "selective" or "full", "by": "solver", "config" or "model" (the model checkpoints it itself), "time_s":
+    # seconds per step the recomputation adds, "saved_bytes": activation bytes per rank it saves at the peak}.
+    recompute: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         # The solver's clock readings are timings, not part of what the plan decides.
@@ -312,6 +316,8 @@ class Plan:
         }
         if self.fp8:
             d["fp8"] = dict(sorted(self.fp8.items()))
+        if self.recompute:
+            d["recompute"] = {k: dict(sorted(v.items())) for k, v in sorted(self.recompute.items())}
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -342,10 +348,15 @@ class Plan:
                 batch_norms=d.get("batch_norms", {}),
                 timings=d.get("timings", {}), comm_bytes=d.get("comm_bytes", {}), timeline=d.get("timeline", []),
                 fp8=d.get("fp8", {}), microbatches=int(d.get("microbatches", 1)),
-                pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None)
+                pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None,
+                recompute=_recompute_from_json(d.get("recompute", {})))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"the plan file is corrupt or incomplete ({type(e).__name__}: {e}); "
                                     "re-plan or restore the file") from e
+
+    def recomputed_stacks(self) -> list[str]:
+        """The layer stacks whose activations backward recomputes (any variant but "keep")."""
+        return [p for p, d in sorted(self.recompute.items()) if d.get("variant", "keep") != "keep"]
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -360,6 +371,16 @@ class Plan:
         """A hash of what the plan decides and estimates, leaving out how long planning took: equal digests,
         same plan."""
         return hashlib.sha256(self.to_json(timings=False).encode()).hexdigest()[:16]
+
+
+def _recompute_from_json(d: dict) -> dict[str, dict]:
+    from autopar.recompute import VARIANTS
+
+    for prefix, v in d.items():
+        if not isinstance(v, dict) or v.get("variant") not in VARIANTS:
+            raise ValueError(f"recompute entry of {prefix!r} must be a dict whose variant is one of {VARIANTS}, "
+                             f"got {v!r}")
+    return {k: dict(v) for k, v in d.items()}
 
 
 # Solver statistics that read the planning machine's clock: kept in `timings` (as solver_<name>).

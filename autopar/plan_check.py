@@ -39,6 +39,11 @@ def check_plan(plan: Plan, comp: Compilation) -> None:
     if plan.microbatches != ctx.microbatches:
         raise PlanMismatchError(f"the plan splits each batch into {plan.microbatches} microbatches, this capture "
                                 f"traced {ctx.microbatches}; capture with microbatches={plan.microbatches}")
+    stacks = {b.prefix for b in ctx.captured.blocks}
+    unknown = [p for p in plan.recompute if p not in stacks]
+    if unknown:
+        raise PlanMismatchError(f"the plan recomputes the layer stack {unknown[0]!r}, which this model lacks (its "
+                                f"stacks: {', '.join(sorted(stacks)) or 'none'}); re-plan with this model")
     if plan.fingerprint == fingerprint(ctx):
         return
     cap = ctx.captured

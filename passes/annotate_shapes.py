@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.context import Edge, PassContext
+from autopar.recompute import VARIANTS, model_checkpointed_stacks, recomputed_nodes
 from autopar.rules.base import flat_tensor_args, op_info
 
 
@@ -86,21 +87,45 @@ def _roles(gm: fx.GraphModule, ctx: PassContext) -> None:
         ins = node.all_input_nodes
         if ins and all(a in params or a in ctx.param_derived for a in ins):
             ctx.param_derived.add(node)
-    recomputed = ctx.recomputed = _checkpointed(cap)
-    for node in gm.graph.nodes:
+    recompute_baseline(ctx)  # ctx.recomputed: what backward recomputes before the solver decides more
+    ctx.saved = saved_keys(ctx)
+
+
+# Combinations of recompute variants over several layer stacks the solver tries; stacks beyond stay as fixed
+# (no model has come close: one stack is the rule, an encoder-decoder has two).
+MAX_COMBINATIONS = 27
+
+
+def recompute_baseline(ctx: PassContext) -> None:
+    """ctx.recompute (stack -> variant, before the solve), ctx.recompute_by (stack -> "model", "config" or
+    "solver"), ctx.recompute_offered (stacks the solver decides) and ctx.recomputed."""
+    cap = ctx.captured
+    mode = ctx.config.recompute
+    by_model = model_checkpointed_stacks(cap)
+    ctx.recompute, ctx.recompute_by, ctx.recompute_offered = {}, {}, []
+    for b in cap.blocks:
+        if b.prefix in by_model:
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "full", "model"
+        elif mode in ("selective", "full"):
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = mode, "config"
+        else:
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "keep", "config" if mode == "off" else "solver"
+            if mode == "auto" and len(VARIANTS) ** (len(ctx.recompute_offered) + 1) <= MAX_COMBINATIONS:
+                ctx.recompute_offered.append(b.prefix)
+    ctx.recompute_fixed = dict(ctx.recompute)
+    ctx.recomputed = recomputed_nodes(cap, ctx.recompute)
+
+
+def saved_keys(ctx: PassContext) -> set[str]:
+    """Keys of the forward values backward keeps, given ctx.recomputed."""
+    cap = ctx.captured
+    out: set[str] = set()
+    for node in cap.gm.graph.nodes:
         if node.op == "call_function" and cap.phase[node] == "fwd" and node not in ctx.param_derived:
             if any(u.op == "call_function" and cap.phase[u] == "bwd" for u in node.users):
-                for kept in _kept_for(node, recomputed, ctx):
-                    ctx.saved.add(ctx.key[_view_base(kept, ctx)])
-
-
-def _checkpointed(cap) -> set[fx.Node]:
-    """Forward nodes codegen recomputes in backward because the model checkpoints them (not random ops, whose
-    masks are kept, nor what reads a random op's outputs)."""
-    def random(n: fx.Node) -> bool:
-        return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
-
-    return {n for n in cap.checkpointed if not random(n) and not any(random(a) for a in n.all_input_nodes)}
+                for kept in _kept_for(node, ctx.recomputed, ctx):
+                    out.add(ctx.key[_view_base(kept, ctx)])
+    return out
 
 
 def _kept_for(node: fx.Node, recomputed: set[fx.Node], ctx: PassContext) -> list[fx.Node]:

@@ -5,7 +5,7 @@ import hashlib
 
 import torch.fx as fx
 
-from autopar.passes import fp8_variants
+from autopar.passes import fp8_variants, recompute_variants
 from autopar.passes.context import PassContext
 from autopar.plan import NodePlan, PipelinePlan, Plan, Transition
 from autopar.redistribute import describe_steps, plan_steps
@@ -56,7 +56,8 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
         comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
         batch_norms=_batch_norms(ctx), fp8=fp8_variants.summary(ctx, nodes), microbatches=ctx.microbatches,
-        pipeline=PipelinePlan(**ctx.pipeline.result) if ctx.pipeline is not None and ctx.pipeline.result else None)
+        pipeline=PipelinePlan(**ctx.pipeline.result) if ctx.pipeline is not None and ctx.pipeline.result else None,
+        recompute=recompute_variants.summary(ctx))
     return gm
 
 

@@ -49,8 +49,13 @@ class PassContext:
     node_count: dict[str, float] = dataclasses.field(default_factory=dict)
     saved: set[str] = dataclasses.field(default_factory=set)
     param_derived: set[fx.Node] = dataclasses.field(default_factory=set)
-    # forward nodes of the model's activation-checkpointed regions, recomputed in backward by codegen
+    # forward nodes backward recomputes (autopar/recompute.py; passes/recompute_variants.py): per layer stack its
+    # variant, who chose it, the stacks the solver decides, and the variants fixed before the solve
     recomputed: set[fx.Node] = dataclasses.field(default_factory=set)
+    recompute: dict[str, str] = dataclasses.field(default_factory=dict)
+    recompute_by: dict[str, str] = dataclasses.field(default_factory=dict)
+    recompute_offered: list[str] = dataclasses.field(default_factory=list)
+    recompute_fixed: dict[str, str] = dataclasses.field(default_factory=dict)
     edges: list[Edge] = dataclasses.field(default_factory=list)
     # enumerate_strategies
     strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)

@@ -129,16 +129,6 @@ def split_factor_shard(layout, sizes) -> int:
 def _memory(ctx: PassContext) -> None:
     """Persistent bytes (params, grads, optimizer state) and saved activation bytes, per strategy."""
     sizes = ctx.mesh.shape
-    saved_outputs: dict[str, set[int]] = {}
-    for key in ctx.saved:
-        node = ctx.members[key][0]
-        if node.op == "call_function" and node.target is operator.getitem:
-            from autopar.passes.annotate_shapes import producer
-
-            p, idx = producer(node)
-            saved_outputs.setdefault(ctx.key[p], set()).add(idx)
-        else:
-            saved_outputs.setdefault(key, set()).add(0)
     cap = ctx.captured
     param_keys = {ctx.key[n] for n in cap.params.values()}
     for key, strats in ctx.strategies.items():
@@ -150,12 +140,33 @@ def _memory(ctx: PassContext) -> None:
             trainable = cap.names[node].split("/", 1)[1] in cap.grads  # frozen: no grad, no optimizer state
             ctx.memory_cost[key] = [count * param_state_bytes(numel // split_factor_shard(s.outs[0], sizes),
                                                               ctx.precision, trainable) for s in strats]
-        elif key in saved_outputs:
-            metas = op_info(node).outputs
-            ctx.memory_cost[key] = [
-                count * sum(local_bytes(metas[i].shape, compute_dtype(metas[i].dtype, ctx), s.outs[i], sizes)
-                            for i in saved_outputs[key] if i < len(metas) and metas[i] is not None)
-                for s in strats]
+    ctx.memory_cost.update(activation_memory(ctx))
+
+
+def activation_memory(ctx: PassContext) -> dict[str, list[float]]:
+    """Bytes of the activations backward keeps (ctx.saved), per key and strategy."""
+    sizes = ctx.mesh.shape
+    saved_outputs: dict[str, set[int]] = {}
+    for key in ctx.saved:
+        node = ctx.members[key][0]
+        if node.op == "call_function" and node.target is operator.getitem:
+            from autopar.passes.annotate_shapes import producer
+
+            p, idx = producer(node)
+            saved_outputs.setdefault(ctx.key[p], set()).add(idx)
+        else:
+            saved_outputs.setdefault(key, set()).add(0)
+    param_keys = {ctx.key[n] for n in ctx.captured.params.values()}
+    out = {}
+    for key in ctx.strategies:
+        if key in param_keys or key not in saved_outputs:
+            continue
+        node, count = ctx.members[key][0], ctx.node_count[key]
+        metas = op_info(node).outputs
+        out[key] = [count * sum(local_bytes(metas[i].shape, compute_dtype(metas[i].dtype, ctx), s.outs[i], sizes)
+                                for i in saved_outputs[key] if i < len(metas) and metas[i] is not None)
+                    for s in ctx.strategies[key]]
+    return out
 
 
 def _edge_cost(ctx: PassContext, e) -> EdgeCost:

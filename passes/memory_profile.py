@@ -8,10 +8,12 @@ key share shapes, so a key has one bytes vector. The peak of a plan is the large
 constrains every candidate point, so the plan it returns fits as the step simulator measures it.
 
 Liveness: an allocation lives from its node to its last reader (a view, or a tuple element, shares its base's
-allocation, and a view of a graph input holds none); gradients leave at once for the persistent gradient
-buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
+allocation, and a view of a graph input holds none), and a value saved for backward until the backward ends
+(the runtime passes the saved tensors to the backward graph as inputs, held until it returns); gradients leave
+at once for the persistent gradient buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
 again during their backward uses, since codegen recomputes them in backward rather than saving them; so do
-the values of the model's activation-checkpointed regions.
+recomputed activations (autopar/recompute.py: the plan's recomputed layers and the model's checkpointed
+regions), from the point backward first needs them, and the values they are recomputed from are kept until then.
 """
 from __future__ import annotations
 
@@ -69,8 +71,10 @@ def memory_profile(ctx: PassContext) -> MemoryProfile:
     return ctx.memory_profile
 
 
-def _build(ctx: PassContext) -> MemoryProfile:
+def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryProfile:
+    """The profile with `recomputed` (default ctx.recomputed) recomputed in backward."""
     cap = ctx.captured
+    recomputed = ctx.recomputed if recomputed is None else recomputed
     nodes = list(cap.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     owner = _owners(nodes)
@@ -82,6 +86,13 @@ def _build(ctx: PassContext) -> MemoryProfile:
             o = owner.get(a)
             if o is not None:
                 uses[o].append(pos[u])
+    last_bwd = max((pos[n] for n in nodes if n.op == "call_function" and cap.phase[n] == "bwd"), default=0)
+    need = _recompute_points(cap, nodes, pos, recomputed)
+    for n, at in need.items():
+        for a in n.all_input_nodes:  # what n is recomputed from stays until then
+            o = owner.get(a)
+            if o is not None and o not in recomputed:
+                uses[o].append(at)
     factor = ctx.pipeline.factor if ctx.pipeline is not None else {}
     keys: list[str] = []
     col: dict[str, int] = {}
@@ -96,14 +107,21 @@ def _build(ctx: PassContext) -> MemoryProfile:
         fwd = [i for i in uses[o] if cap.phase[nodes[i]] == "fwd"]
         bwd = [i for i in uses[o] if cap.phase[nodes[i]] == "bwd"]
         w = 1.0
-        if (o in ctx.param_derived or o in ctx.recomputed) and cap.phase[o] == "fwd":
+        if o in recomputed and cap.phase[o] == "fwd":
+            again = [need[o], *bwd] if o in need else bwd
+            later = [need[u] for u in o.users if u in need]
+            spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(again), max(again + later))] if again else [])
+        elif o in ctx.param_derived and cap.phase[o] == "fwd":
             spans = ([(pos[o], max(fwd))] if fwd else []) + ([(min(bwd), max(bwd))] if bwd else [])
         else:
             if cap.phase[o] == "fwd" and bwd:
                 # Kept for the backward: one copy per layer the template stands for, and under a pipeline
-                # one per microbatch a stage holds in flight (passes/split_stages.py).
+                # one per microbatch a stage holds in flight (passes/split_stages.py). The runtime hands the
+                # saved tensors to the backward graph as its inputs, which live until it returns.
                 w = _scale(ctx, o)[1] * factor.get(key, 1.0)
-            spans = [(pos[o], max(uses[o], default=pos[o]))]
+                spans = [(pos[o], last_bwd)]
+            else:
+                spans = [(pos[o], max(uses[o], default=pos[o]))]
         events.extend((lo, hi, col[key], w) for lo, hi in spans)
     delta = np.zeros((len(nodes) + 1, len(keys)))
     for lo, hi, c, w in events:
@@ -114,6 +132,20 @@ def _build(ctx: PassContext) -> MemoryProfile:
     for k in static:  # a pipeline rank stores only its stage's parameters
         static[k] = static[k] * factor.get(k, 1.0)
     return MemoryProfile(keys, act_bytes, static, weight)
+
+
+def _recompute_points(cap, nodes: list[fx.Node], pos: dict, recomputed: set[fx.Node]) -> dict[fx.Node, int]:
+    """Per recomputed node, the schedule point where backward recomputes it: its first backward use, or the
+    recomputation of a recomputed node that reads it, whichever comes first."""
+    need: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        if n not in recomputed:
+            continue
+        at = [pos[u] for u in n.users if u.op == "call_function" and cap.phase[u] == "bwd"]
+        at += [need[u] for u in n.users if u in need]
+        if at:
+            need[n] = min(at)
+    return need
 
 
 def _static(ctx: PassContext) -> dict[str, np.ndarray]:

@@ -64,6 +64,7 @@ def simulate(ctx: PassContext) -> Simulation:
     moved: dict[tuple, float] = {}  # (value, layout, phase) -> when the redistributed copy is ready
     m = ctx.microbatches
     deferred: list[tuple] = []
+    rerun: set[fx.Node] = set()
 
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
@@ -125,7 +126,18 @@ def simulate(ctx: PassContext) -> Simulation:
                 moved[moved_key] = comm(info.inputs[i].shape, dtype, _out_layout(ctx, a), strat.ins[i], ready[a],
                                         scale * regather, ctx.captured.names[node])
             t_in = max(t_in, moved[moved_key])
-        dur = ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * scale
+        if cap.phase[node] == "bwd" and ctx.recomputed:
+            # Recomputed forward values are computed again right before the first backward op reading them.
+            again = _to_recompute(ctx, node, rerun)
+            if again:
+                t = sum(_duration(ctx, n) for n in again)
+                begin = max(compute_free, t_in)
+                compute_free = begin + t
+                total_compute += t
+                node_time["recompute"] += t
+                if len(timeline) < 4000:
+                    timeline.append(("compute", f"recompute {ctx.captured.names[again[0]]} ...", begin, compute_free))
+        dur = _duration(ctx, node)
         start = max(compute_free, t_in)
         compute_free = start + dur
         total_compute += dur
@@ -162,6 +174,30 @@ def simulate(ctx: PassContext) -> Simulation:
                       node_time=dict(node_time), top_ops=top, timeline=timeline)
 
 
+def _duration(ctx: PassContext, node: fx.Node) -> float:
+    key = ctx.key[node]
+    return ctx.compute_cost[key][ctx.choice[key]] / ctx.node_count[key] * _scale(ctx, node)[1]
+
+
+def _to_recompute(ctx: PassContext, node: fx.Node, done: set[fx.Node]) -> list[fx.Node]:
+    """The recomputed forward nodes a backward node needs that backward has not recomputed yet, in order (marked
+    done). Parameter-only values (recomputed in any case, priced with their gathers) are left out."""
+    out: list[fx.Node] = []
+
+    def need(n: fx.Node) -> None:
+        if n in done or n not in ctx.recomputed or n in ctx.param_derived:
+            return
+        done.add(n)
+        for a in n.all_input_nodes:
+            need(a)
+        if n.target is not operator.getitem:
+            out.append(n)
+
+    for a in node.all_input_nodes:
+        need(a)
+    return out
+
+
 def _shard(layout, sizes) -> int:
     from torch.distributed.tensor import Shard
 
@@ -195,7 +231,8 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     opt_b = trained * p.optimizer_state_bytes_per_param
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
     accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
-    static = param_b + grad_b + opt_b + master + accumulation
+    buckets = grad_bucket_bytes(ctx)
+    static = param_b + grad_b + opt_b + master + accumulation + buckets
     peak = memory_profile(ctx).peak(ctx.choice)[1]
     mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
            "activations": int(peak)}
@@ -205,7 +242,60 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         return stage_memory(ctx, mem, peak)
     if accumulation:
         mem["grad_accumulation"] = int(accumulation)
+    if buckets:
+        mem["grad_buckets"] = int(buckets)
     return mem, int(static + peak)
+
+
+def grad_bucket_bytes(ctx: PassContext) -> float:
+    """Gradient collective buffers at the end of the backward, beside every saved activation: the largest
+    gradient bucket (autopar/codegen/grad_sync.py: the gradients of a bucket are copied into one flat buffer
+    reduced in place, and while it is written both copies live; buckets filled as codegen fills them, per kind
+    of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others), and
+    the produced gradients reduced one by one (issued as soon as they exist and waited for at the end, so their
+    inputs live until then)."""
+    from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES, bucketed
+    from autopar.redistribute import plan_steps
+
+    if ctx.microbatches > 1:  # reduced once per step from the accumulated gradients (counted apart)
+        return 0.0
+    kinds: dict[tuple, list[float]] = {}
+    alone = 0.0
+    for fqn in reversed(list(ctx.captured.grads)):
+        u, idx = producer(ctx.captured.grads[fqn])
+        pnode = ctx.captured.params[fqn]
+        src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
+        steps = plan_steps(tuple(src), tuple(dst))
+        axes = bucketed(steps)
+        size = local_bytes(tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype, src, ctx.mesh.shape)
+        if axes is None:
+            if any(st.is_comm for st in steps):  # issued at once, waited for at the end: its input lives
+                alone += size * _scale(ctx, pnode)[1]
+            continue
+        kinds.setdefault((steps[0].kind, axes), []).extend([size] * max(1, round(_scale(ctx, pnode)[1])))
+    largest = 0.0
+    for kind, sizes in kinds.items():
+        first = FIRST_BUCKET_BYTES if kind[0] == "all_reduce" else None
+        n, total = 0, 0.0
+        for size in sizes:
+            cap = first if first is not None and n == 1 else BUCKET_BYTES
+            if n == 0 or (total and total + size > cap):
+                n, total = n + 1, 0.0
+            total += size
+            largest = max(largest, total)
+    return largest + alone
+
+
+def bucket_reserve(ctx: PassContext) -> float:
+    """What the integer program sets aside for the gradient buckets (grad_bucket_bytes depends on the placements
+    in a way its rows cannot say): one bucket, or all gradients at full size where they are less."""
+    if ctx.microbatches > 1:
+        return 0.0
+    from autopar.codegen.grad_sync import BUCKET_BYTES
+
+    total = sum(math.prod(ctx.captured.params[f].meta["val"].shape) * _scale(ctx, ctx.captured.params[f])[1]
+                for f in ctx.captured.grads) * torch.tensor([], dtype=ctx.precision.grad_dtype).element_size()
+    return float(min(BUCKET_BYTES, total))
 
 
 def _accumulation_bytes(ctx: PassContext) -> float:

@@ -10,6 +10,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.errors import InfeasibleMemoryError, SolverTimeout
+from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import memory_profile
 from autopar.solver import IlpProblem, solve_bounded
@@ -52,6 +53,12 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
             edges.append(IlpEdge(src, dst, src_index, dst_index, grad_cost, axis_cost=c.axis_cost, layered=layered))
         else:
             edges.append(IlpEdge(src, dst, src_index, dst_index, cost, group, contends=_contends(ctx, e, c)))
+    # Recomputed forward ops (ctx.recomputed: the variants of this solve, passes/recompute_variants.py) run again
+    # before their backward: their forward time on the local shapes of each strategy.
+    for key, share in recompute_variants.fractions(ctx, ctx.recomputed).items():
+        root, idx = _root(ctx, key)
+        for i in range(len(compute[root])):
+            compute[root][i] += m * share * ctx.compute_cost[key][i if idx is None else idx[i]]
     sc = ctx.config.solver
     return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
                       memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)
@@ -161,33 +168,74 @@ def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:
 
 
 def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    limit = float(ctx.memory_limit)
-    report = ctx.progress.update if ctx.progress is not None else None
-    sc = ctx.config.solver
-    problem = build_problem(ctx, limit)
-    reduced = reduce_problem(problem)
+    """Placements and, where the solver decides them (Config.recompute="auto"), the recompute variants. The
+    variants are the program's first branching: each combination makes one placement program (its recompute
+    time in the compute, its liveness in the memory rows), solved in turn, keeping activations first; when
+    that program's memory does not bind, no recomputation can be faster and the others are skipped. The
+    fastest plan (by the step simulator) of those that fit wins."""
     t0 = time.perf_counter()
-    try:
-        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
-                            relative_gap=sc.relative_gap, on_progress=report)
-    except ProgramInfeasible:
+    found, smallest, timeout = [], None, None
+    for variants in recompute_variants.combinations(ctx):
+        recompute_variants.apply(ctx, variants)
+        try:
+            solved = _solve_one(ctx)
+        except ProgramInfeasible:
+            continue
+        except SolverTimeout as e:
+            timeout = e
+            break
+        found.append(solved)
+        if not solved[1].result.stats.get("memory_binds", True):
+            break
+    if not found:
+        if timeout is not None:
+            raise timeout from None
         _raise_infeasible(ctx)
-    except SolverTimeout as e:
-        smallest = getattr(e, "smallest_peak", None)
-        if smallest is None:
-            smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
-        raise SolverTimeout(_timeout_message(ctx, smallest)) from None
-    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+    problem, out, reduced, result, variants, _ = min(found, key=lambda f: f[5])
+    recompute_variants.apply(ctx, variants)
     ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
     ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
                             strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal,
                             objective_s=result.objective_s, bound_s=result.bound_s, gap=result.gap,
                             path=out.path, seconds=time.perf_counter() - t0)
+    if len(recompute_variants.combinations(ctx)) > 1:
+        ctx.solver_stats["recompute_programs_solved"] = len(found)
     if out.timed_out:
         warnings.warn(f"the planning time limit (Config.solver_time_limit_s={ctx.config.solver_time_limit_s} s) "
                       f"was reached before the solver proved optimality; returning the best plan found, within "
                       f"{result.gap:.1%} of optimal (raise solver_time_limit_s for a better bound)", stacklevel=2)
     return gm
+
+
+def _solve_one(ctx: PassContext) -> tuple:
+    """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
+    program under ctx's recompute variants."""
+    from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes, simulate
+
+    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    report = ctx.progress.update if ctx.progress is not None else None
+    sc = ctx.config.solver
+    for _ in range(3):
+        # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
+        # than a bucket goes alone), set that aside and solve again.
+        problem = build_problem(ctx, float(ctx.memory_limit) - reserve)
+        reduced = reduce_problem(problem)
+        try:
+            out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
+                                relative_gap=sc.relative_gap, on_progress=report)
+        except SolverTimeout as e:
+            smallest = getattr(e, "smallest_peak", None)
+            if smallest is None:
+                smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
+            raise SolverTimeout(_timeout_message(ctx, smallest)) from None
+        result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+        ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+        buckets = 0.0 if ctx.pipeline is not None else grad_bucket_bytes(ctx)
+        if buckets <= reserve:
+            break
+        reserve = buckets
+    step = simulate(ctx).step_time if len(recompute_variants.combinations(ctx)) > 1 else 0.0
+    return problem, out, reduced, result, dict(ctx.recompute), step
 
 
 def _fastest(ctx: PassContext, reduced, results: list):
@@ -222,30 +270,49 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 
 
 def _raise_infeasible(ctx: PassContext) -> None:
-    """Minimize the peak (no limit) and say how far it is from fitting, and what fills it."""
+    """Minimize the peak (no limit) and say how far it is from fitting, and what fills it: over every recompute
+    variant the solver may choose, the smallest."""
     from autopar.solver import solve
 
-    problem = build_problem(ctx, None)
-    reduced = reduce_problem(problem)
-    try:
-        best = solve(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline, objective="peak")
-    except SolverTimeout:
-        raise InfeasibleMemoryError(
-            f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank (the solver "
-            f"proved it) and the time limit of {ctx.config.solver_time_limit_s} s ran out before the smallest "
-            "peak was found. Use more ranks, a smaller batch or sequence, or raise memory_limit_gb.") from None
-    choice = expand_choice(ctx, reduced.expand(best.choice))
+    smallest = None
+    for variants in recompute_variants.combinations(ctx):
+        recompute_variants.apply(ctx, variants)
+        problem = build_problem(ctx, None)
+        reduced = reduce_problem(problem)
+        try:
+            best = solve(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline, objective="peak")
+        except SolverTimeout:
+            raise InfeasibleMemoryError(
+                f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank (the "
+                f"solver proved it) and the time limit of {ctx.config.solver_time_limit_s} s ran out before the "
+                "smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
+                "memory_limit_gb.") from None
+        choice = expand_choice(ctx, reduced.expand(best.choice))
+        peak = sum(memory_profile(ctx).peak(choice)[:2])
+        if smallest is None or peak < smallest[0]:
+            smallest = (peak, variants, choice)
+    _, variants, choice = smallest
+    recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
+    from autopar.passes.simulate_step import bucket_reserve
+
+    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
+    consumers.append((reserve, "gradient buckets"))
     consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[k]]), k)
                   for c, k in enumerate(prof.keys)]
     consumers.sort(reverse=True)
     scale = ctx.memory_limit
     top = ", ".join(f"{k} {fmt_mem(c, scale)}" for c, k in consumers[:5] if c > 0)
+    recomputing = ", ".join(f"{p} {v}" for p, v in sorted(variants.items()) if v != "keep")
+    how = f" with recomputation ({recomputing})" if recomputing else ""
+    hint = ("" if recomputing or not variants or ctx.config.recompute == "auto" else
+            " or let the planner recompute activations (Config(recompute='auto')),")
     err = InfeasibleMemoryError(
-        f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, scale)} per rank; the smallest plan found "
-        f"needs {fmt_mem(static + act, scale)} (largest consumers: {top}). Use more ranks, a smaller batch or "
-        "sequence, or raise memory_limit_gb.")
+        f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, scale)} per rank; the smallest plan found"
+        f"{how} needs {fmt_mem(static + act, scale)} (largest consumers: {top}). Use more ranks, a smaller batch "
+        f"or sequence,{hint} or raise memory_limit_gb.")
     err.smallest_peak = static + act  # bytes, unrounded
     raise err from None

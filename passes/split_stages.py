@@ -24,6 +24,7 @@ from autopar.cost import link_spec
 from autopar.cost.pipeline import ScheduleError
 from autopar.cost.stages import Model, Part, price
 from autopar.errors import InfeasibleMemoryError
+from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import local_bytes
 from autopar.passes.memory_profile import memory_profile
@@ -160,8 +161,11 @@ def stage_model(ctx: PassContext) -> Model:
             return "forward"
         return "backward_input" if key in iw else "backward_weight"
 
+    share = recompute_variants.fractions(ctx, ctx.recomputed)
     for key in ctx.strategies:
         side, c = setup.side.get(key, "first"), ctx.compute_cost[key][ctx.choice[key]]
+        # Recomputed forward ops run again before the backward that reads them (on the input-gradient path).
+        acc[side]["backward_input"] += share.get(key, 0.0) * c
         if key.startswith("param/"):
             acc[side]["optimizer"] += c
         else:

@@ -102,16 +102,23 @@ def test_model_too_big_for_replication_gets_fsdp():
     assert p.peak_memory_per_rank <= 0.6 * 2**30
 
 
-@pytest.mark.slow
-def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv():
+def _plan_70b(memory_limit_gb: float):
     with torch.device("meta"):
         model = Llama(LLAMA3_70B)
     mesh = autopar.fake_mesh((8, 8), ("dp", "tp"))
-    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=80, solver=QUIET)
-    # One 8192-token sequence per data-parallel rank: with every layer's saved activations counted, a global
-    # batch of 16 sequences needs more than 80 GiB per rank without activation recomputation.
-    p = autopar.plan(model, mesh, (torch.zeros(8, 8192, dtype=torch.long),), loss_fn=cross_entropy_loss,
-                     config=cfg)
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=memory_limit_gb,
+                         solver=QUIET)
+    # Two 8192-token sequences per data-parallel rank: with every layer's saved activations counted, no
+    # placement fits 80 GiB per rank without activation recomputation.
+    return autopar.plan(model, mesh, (torch.zeros(16, 8192, dtype=torch.long),), loss_fn=cross_entropy_loss,
+                        config=cfg)
+
+
+@pytest.mark.slow
+def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv_and_recomputes_to_fit_80gb():
+    p = _plan_70b(80)
+    assert p.recomputed_stacks() == ["layers"] and "ac" in p.techniques, p.recompute
+    assert p.recompute["layers"]["by"] == "solver" and p.recompute["layers"]["saved_bytes"] > 10 * 2**30
     pl = p.param_placements()
     assert len(pl) == 2 + 80 * 9 + 1
     for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention.wq", "attention.wk",
@@ -120,6 +127,13 @@ def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv():
         assert isinstance(tp, Shard), (name, pl[f"layers.7.{name}.weight"])
     assert p.peak_memory_per_rank <= 80 * 2**30
     assert {"tp", "fsdp"} <= p.techniques
+
+
+@pytest.mark.slow
+def test_llama3_70b_with_memory_unbounded_recomputes_nothing():
+    p = _plan_70b(1e6)
+    assert p.recompute["layers"]["variant"] == "keep" and "ac" not in p.techniques
+    assert p.peak_memory_per_rank > 80 * 2**30  # what recomputation saves in the bounded plan
 
 
 @pytest.mark.slow
@@ -244,7 +258,8 @@ def test_pins_fix_parameters_and_the_rest_is_optimized():
 def test_infeasible_memory_names_minimum_and_consumers():
     # A 1 MiB limit: sizes are given in MiB, the unit that fits the limit.
     with pytest.raises(autopar.InfeasibleMemoryError,
-                       match=r"limit of 1\.02 MiB per rank; the smallest plan found needs [\d.]+ MiB "
+                       match=r"limit of 1\.02 MiB per rank; the smallest plan found (with recomputation \(layers "
+                             r"\w+\) )?needs [\d.]+ MiB "
                              r"\(largest consumers: .*layers"):
         plan_mlp([1024] * 4, 64, autopar.fake_mesh(4, "dp"), device="h100", memory_limit_gb=0.001)
 

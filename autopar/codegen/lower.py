@@ -21,6 +21,7 @@ from autopar.codegen import rng
 from autopar.codegen.fp8 import Fp8Lowering
 from autopar.layout import fmt_layout, local_shape
 from autopar.plan import NodePlan, Plan
+from autopar.recompute import plan_variants, recomputed_nodes
 
 Layout = tuple[Placement, ...]
 GRAD_SYNC = "autopar_grad_sync"
@@ -43,8 +44,8 @@ class LocalJoint:
     tangents: list[fx.Node]
     layouts: dict[str, Layout]  # placeholder node name -> layout of its local value
     rng_seed: fx.Node | None = None
-    # Forward nodes of activation-checkpointed regions (and the collectives feeding them): recomputed in
-    # backward instead of saved.
+    # Forward nodes the plan recomputes and those of the model's activation-checkpointed regions (and the
+    # collectives feeding them, autopar/recompute.py): recomputed in backward instead of saved.
     recompute: set[fx.Node] = dataclasses.field(default_factory=set)
     updates: list[str] = dataclasses.field(default_factory=list)  # buffers the step updates, in output order
     n_outputs: int = 0  # outputs besides the loss (returned in their producers' layouts), last in the output
@@ -134,10 +135,12 @@ class _Lowering:
             self.rng_seed = self.b.graph.placeholder(rng.SEED_INPUT)
             self.rng_seed.meta["val"] = 0
         self._plan_gather_buckets(nodes)
+        # The plan's recomputed layers and the model's own checkpointed regions (autopar/recompute.py).
+        recomputed = recomputed_nodes(cap, plan_variants(self.plan))
         for node in nodes:
             if node.op == "call_function":
                 if node not in self.env:  # a parameter cast may have been emitted early, for its bucket
-                    self.b.in_checkpoint = node in cap.checkpointed
+                    self.b.in_checkpoint = node in recomputed
                     self.env[node] = self._call(node)
                     self.b.in_checkpoint = False
             elif node.op == "get_attr":

@@ -4,19 +4,22 @@ backward graph (saved tensors, tangents -> grads).
 Forward values computed from parameters and buffers alone (a gathered weight, its transpose, a slice of a
 buffer) are recomputed in the backward graph right before their first use instead of being saved: this is
 the FSDP-style re-gather the planner priced, and it keeps a gathered weight alive only while it is used. So
-are the values of activation-checkpointed regions (LocalJoint.recompute): their inputs are saved and the
-region runs again in backward, collectives included (every rank recomputes the same ones). Dropout masks are
-always saved, so a recomputed region reuses the forward's mask.
+are the values of recomputed regions (LocalJoint.recompute: the plan's recomputed layers and the model's
+activation-checkpointed regions, autopar/recompute.py): their inputs are saved and the region runs again in
+backward, collectives included (every rank recomputes the same ones). Random ops are never recomputed, so a
+recomputed region reuses the forward's dropout masks.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
 from autopar.codegen.schedule import issue_input_collectives_early, simplify
+from autopar.recompute import random
 
 
 @dataclasses.dataclass
@@ -31,8 +34,7 @@ class Split:
 
 
 def _random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    return random(node)
 
 
 def split(joint: LocalJoint) -> Split:
@@ -48,12 +50,17 @@ def split(joint: LocalJoint) -> Split:
     heads, grads, tail = outs[:joint.n_heads], outs[joint.n_heads:len(outs) - n_tail], outs[len(outs) - n_tail:]
 
     recomputable: set[fx.Node] = set()
+    param_only: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "call_function" and phase[n] == "fwd" and not _random(n):
-            # Values of parameters alone (a gathered weight), and every value of an activation-checkpointed
-            # region, whose inputs are then saved in its place.
+            # Values of parameters alone (a gathered weight), and every value of a recomputed region (the plan's
+            # recomputed layers, the model's checkpointed regions), whose inputs are then saved in its place.
+            # What a region's values feed outside it (a matmul under selective recomputation) stays saved.
             region = n in joint.recompute and not any(_random(a) for a in n.all_input_nodes)
-            if region or all(a in persistent or a in recomputable for a in n.all_input_nodes):
+            if all(a in persistent or a in param_only for a in n.all_input_nodes):
+                param_only.add(n)
+                recomputable.add(n)
+            elif region and not (n.target is operator.getitem and n.args[0] not in recomputable):
                 recomputable.add(n)
 
     def is_bwd(n: fx.Node) -> bool:

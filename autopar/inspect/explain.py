@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.inspect.fp8 import variant_rows
+from autopar.inspect.recompute import explain_stack, node_note
 from autopar.inspect.techniques import techniques_text
 from autopar.strategy import VARIANT_TEXT
 from autopar.inspect.fmt import (axis_layout, delta_bytes, delta_time, describe_placement, fmt_bytes, fmt_count,
@@ -52,6 +53,8 @@ def resolve(plan: Any, name: str) -> tuple[str, str]:
 
 def explain(plan: Any, name: str, width: int = 110) -> str:
     """Chosen layout of a parameter or node, what it costs, and the alternatives with their cost deltas."""
+    if name.strip() in getattr(plan, "recompute", {}):
+        return explain_stack(plan, name.strip())
     kind, key = resolve(plan, name)
     parts = _explain_param(plan, key) if kind == "param" else _explain_node(plan, key)
     node = plan.nodes.get(f"param/{key}" if kind == "param" else key)
@@ -95,6 +98,9 @@ def _explain_node(plan: Any, key: str) -> list:
     g.add_row("compute", f"{fmt_time(node.compute_s)} per step{per}")
     if node.variant:
         g.add_row("runs as", VARIANT_TEXT.get(node.variant, node.variant))
+    note = node_note(plan, key)
+    if note:
+        g.add_row("recompute", note)
     return [Text(f"node {key}", style="bold underline"), g]
 
 

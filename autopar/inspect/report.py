@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Shard
 from autopar.inspect.fmt import (comm_entries, fmt_bytes, fmt_count, fmt_time, fp8_nodes, group_params,
                                  group_transitions, memory_items, mesh_text, pipeline_info, top_nodes)
 from autopar.inspect.table import format_plan
+from autopar.inspect.recompute import recompute_line
 from autopar.inspect.techniques import techniques_text
 from autopar.layout import fmt
 
@@ -220,7 +221,8 @@ def build_sections(plan: Any) -> list[tuple[str, str, list[tuple[str, Figure | N
                                 ["compute / exposed comm / optimizer", parts],
                                 ["peak memory per rank", fmt_bytes(plan.peak_memory_per_rank)
                                  + (f" of {fmt_bytes(plan.memory_limit)}" if plan.memory_limit else "")],
-                                ["techniques", techniques_text(plan)]], "summary")
+                                ["techniques", techniques_text(plan)],
+                                ["recomputation", recompute_line(plan) or "none"]], "summary")
     sections = [("Summary", summary, []),
                 ("Placement map", _placement_html(plan), [("placement_map", placement_figure(plan))]),
                 ("Memory per rank", _table(["component", "bytes"], [[k, fmt_bytes(v)] for k, v in memory_items(plan)]),

@@ -14,6 +14,7 @@ from autopar.inspect.fmt import (axis_layout, block_of, comm_entries, fmt_bytes,
                                  group_params, group_transitions, instances, memory_items, mesh_text,
                                  param_weight, r6, render, shard_factor, top_nodes)
 from autopar.inspect.fp8 import fp8_line, fp8_table
+from autopar.inspect.recompute import recompute_line
 from autopar.inspect.techniques import techniques_text
 
 _MAX_COLLECTIVES = 12
@@ -35,6 +36,8 @@ def _header(plan: Any) -> Table:
     fp8 = fp8_line(plan)
     if fp8:
         g.add_row("fp8", fp8)
+    if recompute_line(plan):
+        g.add_row("recompute", recompute_line(plan))
     if plan.inputs:
         g.add_row("inputs", "; ".join(f"#{i} {axis_layout(plan.mesh.axis_names, lay)}"
                                       for i, lay in enumerate(plan.inputs)))
@@ -188,6 +191,8 @@ def format_summary(plan: Any) -> str:
         lines.append(f"  solver: {gap_text(plan)}")
     if fp8_line(plan):
         lines.append(f"  fp8: {fp8_line(plan)}")
+    if recompute_line(plan):
+        lines.append(f"  recompute: {recompute_line(plan)}")
     lines.extend(_pipeline_lines(plan))
     if plan.batch_norms:
         kinds: dict[str, int] = {}

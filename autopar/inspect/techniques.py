@@ -1,4 +1,5 @@
-"""The parallelism techniques a Plan amounts to (dp, fsdp, tp, sp, cp, pp, ep, fp8), read from its placements."""
+"""The parallelism techniques a Plan amounts to (dp, fsdp, tp, sp, cp, pp, ep, fp8, ac), read from its placements
+and its recomputation (ac: activation checkpointing, some layer stack recomputes its activations)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.inspect.fmt import fp8_nodes, node_module, param_weight, pipeline_info
 
-TECHNIQUES = ("dp", "fsdp", "tp", "sp", "cp", "pp", "ep", "fp8")
+TECHNIQUES = ("dp", "fsdp", "tp", "sp", "cp", "pp", "ep", "fp8", "ac")
 # A parameter share below this fraction of the model does not make an axis "data parallel" or "tensor
 # parallel": the solver may shard or replicate tiny tensors (norm weights) either way at no cost.
 _SIGNIFICANT = 0.05
@@ -125,6 +126,8 @@ def techniques(plan: Any) -> frozenset[str]:
         found.add("ep")
     if fp8_nodes(plan):
         found.add("fp8")
+    if any(d.get("variant", "keep") != "keep" for d in (getattr(plan, "recompute", None) or {}).values()):
+        found.add("ac")
     return frozenset(found)
 
 

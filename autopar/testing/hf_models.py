@@ -14,9 +14,9 @@ def _ids(batch: int, seq: int, vocab: int) -> torch.Tensor:
 def llama(batch=4, seq=32, **over):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attention_dropout=0.0, attn_implementation="sdpa", **over)
+    cfg = LlamaConfig(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                attention_dropout=0.0, attn_implementation="sdpa"), **over})
     ids = _ids(batch, seq, cfg.vocab_size)
     return LlamaForCausalLM(cfg), (ids,), {"labels": ids}
 

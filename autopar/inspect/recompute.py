@@ -1,0 +1,49 @@
+"""Activation recomputation as the plan records it (Plan.recompute): one line per layer stack, and what explain
+says of a stack or of a node inside a recomputed one."""
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.inspect.fmt import fmt_bytes, fmt_time
+
+_WHAT = {"selective": "selective (norms, activations, attention internals recomputed; matmul outputs kept)",
+         "full": "full (each layer recomputed from its input)", "keep": "none (activations kept)"}
+_BY = {"solver": "chosen by the solver", "config": "set by Config.recompute",
+       "model": "the model checkpoints these layers itself"}
+
+
+def recompute_line(plan: Any) -> str:
+    """'layers: full, +12.3 ms per step, saves 4.1 GiB per rank (chosen by the solver)' per recomputing stack;
+    empty when no stack recomputes."""
+    parts = []
+    for prefix in _stacks(plan):
+        d = plan.recompute[prefix]
+        parts.append(f"{prefix}: {d['variant']}, +{fmt_time(d.get('time_s', 0.0))} per step, saves "
+                     f"{fmt_bytes(d.get('saved_bytes', 0))} per rank ({_BY.get(d.get('by'), d.get('by'))})")
+    return "; ".join(parts)
+
+
+def explain_stack(plan: Any, prefix: str) -> str:
+    d = plan.recompute[prefix]
+    lines = [f"layer stack {prefix} ({plan.blocks.get(prefix, '?')} layers)",
+             f"  recomputation: {_WHAT.get(d['variant'], d['variant'])}, {_BY.get(d.get('by'), d.get('by'))}"]
+    if d["variant"] != "keep":
+        lines.append(f"  time added: {fmt_time(d.get('time_s', 0.0))} per step (the recomputed forward ops on "
+                     "their local shapes)")
+        lines.append(f"  memory saved: {fmt_bytes(d.get('saved_bytes', 0))} per rank at the peak")
+    elif d.get("by") == "solver":
+        lines.append("  why: the plan fits the memory limit without it, and recomputing costs time")
+    return "\n".join(lines) + "\n"
+
+
+def node_note(plan: Any, key: str) -> str | None:
+    """For a forward node inside a recomputing stack: how the stack recomputes."""
+    for prefix in _stacks(plan):
+        if key.startswith(f"{prefix}.*.") and "/fwd/" in key:
+            return f"{prefix} recomputes its activations ({plan.recompute[prefix]['variant']}) in backward"
+    return None
+
+
+def _stacks(plan: Any) -> list[str]:
+    rc = getattr(plan, "recompute", None) or {}
+    return [p for p, d in sorted(rc.items()) if d.get("variant", "keep") != "keep"]

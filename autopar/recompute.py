@@ -1,0 +1,106 @@
+"""Which forward values are recomputed in backward instead of saved: the one definition the planner's memory
+model and time, and codegen, share.
+
+Per repeated layer stack (a capture block such as `layers`) a plan records one variant:
+
+    keep       every activation backward reads is saved (no recomputation)
+    selective  the outputs of matmuls and fused attention kernels are saved; the cheap, memory-heavy ops between
+               them (norms, activation functions, rotary embeddings, casts, softmax and the other attention
+               internals, residual adds) are recomputed from them
+    full       each layer is recomputed from its input (the residual stream entering it), which alone is saved
+
+Regions the model checkpoints itself (torch.utils.checkpoint, transformers' gradient_checkpointing_enable) are
+recomputed whatever the plan says; a stack whose forward the model checkpoints throughout is recorded as "full"
+by the model. Random ops (dropout) are never recomputed, nor what reads their outputs: their values are saved,
+so backward sees the masks forward drew. A value read by forward code outside its region (a layer's output,
+read by the next layer) is saved, not recomputed: recomputing it would chain every earlier layer into the
+backward of the last one.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from autopar import _torch_compat as compat
+
+VARIANTS = ("keep", "selective", "full")
+
+aten = torch.ops.aten
+# Ops whose outputs selective recomputation keeps: the GEMMs and fused attention, which are costly to recompute.
+_KEPT_BY_SELECTIVE = frozenset({
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten._scaled_mm, aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_fused_attention_overrideable, aten._flash_attention_forward,
+    aten._efficient_attention_forward,
+})
+
+
+def random(node: fx.Node) -> bool:
+    """Whether the op draws random numbers: tagged so, and not an attention or dropout run with probability 0
+    (scaled dot-product attention kernels carry the tag for their optional dropout)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name in ("dropout_p", "p"):
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            return not (isinstance(v, (int, float)) and v == 0)
+    return True
+
+
+def kept_by_selective(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in _KEPT_BY_SELECTIVE
+
+
+def model_checkpointed_stacks(cap: Any) -> set[str]:
+    """Layer stacks whose every forward compute node the model checkpoints itself."""
+    out = set()
+    for b in cap.blocks:
+        fwd = [n for n, (p, _) in cap.block_of.items() if p == b.prefix and n.op == "call_function"
+               and cap.phase.get(n) == "fwd"]
+        if fwd and all(n in cap.checkpointed for n in fwd):
+            out.add(b.prefix)
+    return out
+
+
+def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) -> set[fx.Node]:
+    """Forward nodes of `cap` that backward recomputes under `variants` ({stack prefix: variant}), together with
+    the model's own checkpointed regions (without them: model=False, to say what they save)."""
+    region: dict[fx.Node, tuple] = {}
+    for n in cap.checkpointed if model else ():
+        region[n] = ("checkpoint", compat.checkpoint_region(n))
+    for n, (prefix, i) in cap.block_of.items():
+        v = variants.get(prefix, "keep")
+        if v == "keep" or n in region or n.op != "call_function" or cap.phase.get(n) != "fwd":
+            continue
+        if n.target is operator.getitem:
+            continue  # a tuple element follows its producer, below
+        if v == "full" or not kept_by_selective(n):
+            region[n] = ("layer", prefix, i)
+    for n in cap.block_of:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in region:
+            region.setdefault(n, region[n.args[0]])
+
+    def home(u: fx.Node):
+        if u in region:
+            return region[u]
+        return ("layer", *cap.block_of[u]) if u in cap.block_of else None
+
+    out = set()
+    for n, r in region.items():
+        if random(n) or any(random(a) for a in n.all_input_nodes):
+            continue
+        # Read by forward code of another region (or of no layer): saved, as the region's output.
+        if any(u.op == "call_function" and cap.phase.get(u) == "fwd" and home(u) != r for u in n.users):
+            continue
+        out.add(n)
+    return out
+
+
+def plan_variants(plan: Any) -> dict[str, str]:
+    """{stack prefix: variant} a plan records (plan.recompute)."""
+    return {p: d["variant"] for p, d in (getattr(plan, "recompute", None) or {}).items()}

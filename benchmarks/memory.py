@@ -1,0 +1,96 @@
+"""Activation recomputation and the memory model.
+
+1. Llama-3 8B and 70B (and 405B with --405b) on H100 meshes at 80 GB per rank: peak memory per rank and
+   estimated step time with recomputation chosen by the solver (Config(recompute="auto")), none ("off") and
+   full recomputation of every layer ("full"). A plan that does not fit shows the smallest peak found.
+2. On CPU (4 gloo processes, a (dp=2, tp=2) mesh, a Llama of 4 layers of width 256 on 8 x 64 tokens): the
+   peak memory per rank the plan predicts against the one measured over a step after a warm-up step
+   (autopar.testing.memory), for the solver's plan with and without recomputation and the DP, FSDP and
+   Megatron recipes.
+
+Usage: python benchmarks/memory.py [--405b] [--no-cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import autopar
+from autopar import Config, SolverConfig
+from autopar.errors import InfeasibleMemoryError
+from autopar.models import LLAMA_SMALL, Llama, cross_entropy_loss
+from autopar.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+
+QUIET = SolverConfig(show_progress=False)
+GIB = 2**30
+CASES = {  # name: (config, mesh shape, axis names, sequences, tokens per sequence, extra Config fields)
+    "llama3-8b": (LLAMA3_8B, (2, 4), ("dp", "tp"), 8, 8192, {"links": {"dp": "nvlink", "tp": "nvlink"}}),
+    "llama3-70b": (LLAMA3_70B, (8, 8), ("dp", "tp"), 16, 8192, {"links": {"dp": "ib", "tp": "nvlink"}}),
+    "llama3-405b": (LLAMA3_405B, (8, 8, 8), ("pp", "dp", "tp"), 64, 8192, {}),
+}
+
+
+def plan_row(name: str, mode: str) -> str:
+    cfg, shape, names, batch, seq, extra = CASES[name]
+    with torch.device("meta"):
+        model = Llama(cfg)
+    t0 = time.perf_counter()
+    try:
+        p = autopar.plan(model, autopar.fake_mesh(shape, names, "h100"), (torch.zeros(batch, seq, dtype=torch.long),),
+                         loss_fn=cross_entropy_loss,
+                         config=Config(device="h100", memory_limit_gb=80, recompute=mode, solver=QUIET, **extra))
+    except InfeasibleMemoryError as e:
+        low = getattr(e, "smallest_peak", None)
+        seen = f"smallest peak {low / GIB:6.1f} GiB" if low is not None else str(e).split(":")[1][:60]
+        return f"{name:12} {mode:5} {'does not fit':>21}  {seen}  ({time.perf_counter() - t0:5.1f} s)"
+    rc = ", ".join(f"{k} {v['variant']}" for k, v in p.recompute.items())
+    return (f"{name:12} {mode:5} {p.peak_memory_per_rank / GIB:8.1f} GiB {p.estimated_step_time:8.3f} s  "
+            f"{rc:16} {','.join(sorted(p.techniques)):22} ({time.perf_counter() - t0:5.1f} s)")
+
+
+def build_small():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, LLAMA_SMALL.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    return Llama(LLAMA_SMALL), (tokens,), cross_entropy_loss
+
+
+def cpu_table() -> None:
+    from autopar import recipes
+    from autopar.mesh import MeshSpec
+    from autopar.testing.dist import get_pool
+    from autopar.testing.memory import measure_plan_step
+
+    names, shape = ("dp", "tp"), (2, 2)
+    pool = get_pool(4)
+    model, inputs, loss_fn = build_small()
+    spec = MeshSpec(names, shape, ("loopback", "loopback"), "cpu")
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    kinds = {"solver": {}, "solver, selective": {"recompute": "selective"}, "solver, full": {"recompute": "full"}}
+    kinds.update({r: dict(recipes.recipe(r)(shapes, spec, n_inputs=1), recompute="off")
+                  for r in ("ddp", "fsdp", "megatron")})
+    print(f"\n{'plan':18} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for kind, cfg in kinds.items():
+        p = autopar.plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn,
+                         config=Config(solver=QUIET, **cfg))
+        measured = max(r["peak"] for r in pool.run(measure_plan_step, build_small, p.to_json()))
+        print(f"{kind:18} {p.peak_memory_per_rank / 2**20:7.2f} MiB {measured / 2**20:7.2f} MiB "
+              f"{measured / p.peak_memory_per_rank:6.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--405b", dest="big", action="store_true", help="also plan Llama-3-405B (about a minute each)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the measured CPU table")
+    args = ap.parse_args()
+    print(f"{'model':12} {'mode':5} {'peak/rank':>12} {'step':>10}  {'recompute':16} {'techniques':22} (planning)")
+    for name in ("llama3-8b", "llama3-70b") + (("llama3-405b",) if args.big else ()):
+        for mode in ("auto", "off", "full"):
+            print(plan_row(name, mode), flush=True)
+    if not args.no_cpu:
+        cpu_table()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Activation recomputation (autopar/recompute.py, passes/recompute_variants.py): what the planner chooses and
+records, and that recomputing changes no number.
+
+The execution tests run one training step of a Megatron plan on a (dp=2, tp=2) gloo mesh with every layer
+kept, selectively recomputed and fully recomputed, and require the loss and every gradient to be bitwise
+equal (the recomputed ops see the same inputs, on the same kernels): the example Llama, and transformers'
+LlamaForCausalLM with attention dropout 0.1 (masks are saved, never drawn again). The memory test holds the
+plan's peak per rank to the measured one.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.compiler import compile_plan
+from autopar.config import Config, SolverConfig
+from autopar.models import LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
+from autopar.plan import Plan
+from autopar.program import RankSpec
+from autopar.testing.dist import get_pool
+
+QUIET = SolverConfig(show_progress=False)
+NAMES, SHAPE = ("dp", "tp"), (2, 2)
+R = Replicate()
+
+
+# --- models and plans ---------------------------------------------------------------------------------------
+class WithLabels(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+def _own_loss(out, *inputs):
+    return out
+
+
+def build(name: str):
+    """(model, inputs, loss_fn), identical on every process."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "llama":
+        return Llama(LLAMA_TINY), (torch.randint(0, LLAMA_TINY.vocab_size, (4, 16), generator=gen),), cross_entropy_loss
+    from autopar.testing.hf_models import MODELS
+
+    over = {"attention_dropout": 0.1} if name == "hf_llama_dropout" else {}
+    model, args, kwargs = MODELS["llama"](batch=4, seq=16, **over)
+    return WithLabels(model), (*args, kwargs["labels"]), _own_loss
+
+
+def _megatron(name: str, model, inputs) -> dict:
+    if name == "llama":
+        col = ("*.w1.weight", "*.w3.weight", "*.wq.weight", "*.wk.weight", "*.wv.weight")
+        pins = {p: (R, Shard(0)) for p in col}
+        pins.update({p: (R, Shard(1)) for p in ("*.w2.weight", "*.wo.weight")})
+        pins["*"] = (R, R)
+        return {"pins": pins, "input_placements": {0: (Shard(0), R)}}
+    from autopar import recipes
+    from autopar.mesh import MeshSpec
+
+    spec = MeshSpec(NAMES, SHAPE, ("loopback", "loopback"), "cpu")
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters(remove_duplicate=False)}
+    return recipes.recipe("megatron")(shapes, spec, n_inputs=len(inputs))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str, recompute: str):
+    model, inputs, loss_fn = build(name)
+    config = Config(solver=QUIET, recompute=recompute, **_megatron(name, model, inputs))
+    return compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs, loss_fn=loss_fn, config=config,
+                        template_layers=None)
+
+
+def one_step(name: str, plans: dict[str, str]) -> dict:
+    """On every rank: per plan, the loss and every full gradient of one step, and what the program saves and
+    recomputes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for variant, text in plans.items():
+        model, inputs, loss_fn = build(name)
+        mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=NAMES)
+        pm = autopar.parallelize(model, mesh, inputs, loss_fn=loss_fn, plan=Plan.from_json(text), seed=0)
+        loss = pm(*inputs)
+        loss.backward()
+        grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                 for k, p in pm.named_parameters() if p.grad is not None}
+        prog = pm.program()
+        out[variant] = {"loss": loss.detach().clone(), "grads": grads, "saved": len(prog.saved),
+                        "recomputed": len(prog.recomputed)}
+    return out
+
+
+# --- execution: recomputation changes no number -----------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", pytest.param("hf_llama_dropout", marks=pytest.mark.slow)])
+def test_recomputed_step_equals_kept_step_bitwise(name):
+    pool = get_pool(4)
+    plans = {v: compiled(name, v).plan for v in ("off", "selective", "full")}
+    assert [d["variant"] for d in plans["off"].recompute.values()] == ["keep"]
+    for v in ("selective", "full"):
+        assert "ac" in plans[v].techniques and plans[v].recomputed_stacks(), plans[v].recompute
+        assert any(isinstance(p, Shard) for lay in plans[v].params.values() for p in lay[1:]), "no tensor parallelism"
+    results = pool.run(one_step, name, {v: p.to_json() for v, p in plans.items()})
+    for rank, res in enumerate(results):
+        kept = res["off"]
+        for v in ("selective", "full"):
+            got = res[v]
+            # The programs differ as the plans say: fewer saved tensors, more recomputed values.
+            assert got["saved"] < kept["saved"] and got["recomputed"] > kept["recomputed"], (v, got, kept)
+            assert torch.equal(got["loss"], kept["loss"]), (rank, v, got["loss"], kept["loss"])
+            assert got["grads"].keys() == kept["grads"].keys()
+            for k, g in kept["grads"].items():
+                assert torch.equal(got["grads"][k], g), f"rank {rank}, {v}: gradient of {k} differs " \
+                    f"by up to {(got['grads'][k] - g).abs().max().item():.3g}"
+        assert results[0]["full"]["saved"] < results[0]["selective"]["saved"]
+    if name == "hf_llama_dropout":  # attention dropout draws masks in the layers that recompute
+        assert plans["full"].nodes["model.model.layers.*.self_attn/fwd/native_dropout"].op.startswith(
+            "aten.native_dropout")
+
+
+# --- planning -----------------------------------------------------------------------------------------------
+def test_config_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="recompute='some'.*'auto'"):
+        Config(recompute="some")
+
+
+def test_plan_records_the_variant_and_round_trips():
+    plan = compiled("llama", "full").plan
+    rc = plan.recompute["layers"]
+    assert rc["variant"] == "full" and rc["by"] == "config" and rc["time_s"] > 0 and rc["saved_bytes"] > 0
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "ac" in plan.techniques
+    text = str(plan)
+    assert "recompute" in text and "layers: full" in text and "ac" in text
+    assert "full (each layer recomputed from its input)" in plan.explain("layers")
+    from autopar.inspect.report import build_sections
+
+    assert "layers: full, +" in build_sections(plan)[0][1]
+    assert "recomputes its activations (full)" in plan.explain("layers.*.attention.wq/fwd/mm")
+    assert "ac" not in compiled("llama", "off").plan.techniques
+    # A hand-edited recompute entry is checked where the plan meets the model.
+    from autopar.errors import PlanMismatchError
+    from autopar.plan_check import check_plan
+
+    check_plan(plan, compiled("llama", "off"))
+    edited = Plan.from_json(plan.to_json())
+    edited.recompute = {"blocks": dict(rc)}
+    with pytest.raises(PlanMismatchError, match="recomputes the layer stack 'blocks', which this model lacks"):
+        check_plan(edited, compiled("llama", "off"))
+    with pytest.raises(autopar.PlanMismatchError, match="variant is one of"):
+        Plan.from_json(plan.to_json().replace('"variant": "full"', '"variant": "most"'))
+
+
+def test_recomputing_costs_time_and_saves_activation_memory():
+    off, sel, full = (compiled("llama", v).plan for v in ("off", "selective", "full"))
+    act = [p.memory_breakdown["activations"] for p in (off, sel, full)]
+    assert act[0] > act[1] > act[2], act
+    assert off.estimated_step_time < sel.estimated_step_time < full.estimated_step_time
+    assert 0 < sel.recompute["layers"]["time_s"] < full.recompute["layers"]["time_s"]
+
+
+def _tiny_plan(limit_kib: float | None, recompute: str = "auto") -> Plan:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    return autopar.plan(Llama(LLAMA_TINY), autopar.fake_mesh((2,), ("dp",), "cpu"), (tokens,), loss_fn=cross_entropy_loss,
+                        config=Config(solver=QUIET, recompute=recompute,
+                                      memory_limit_gb=None if limit_kib is None else limit_kib * 2**10 / 2**30))
+
+
+@pytest.mark.slow
+def test_the_solver_recomputes_only_where_memory_binds():
+    free = _tiny_plan(None)
+    assert free.recompute["layers"] == {"variant": "keep", "by": "solver", "time_s": 0.0, "saved_bytes": 0}
+    assert "ac" not in free.techniques
+    # 4000 KiB on two ranks: no placement alone fits (the smallest peak, gradient bucket included, is 4.29 MiB),
+    # recomputing lets one fit.
+    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found needs 4.29 MiB .*recompute='auto'"):
+        _tiny_plan(4000, recompute="off")
+    tight = _tiny_plan(4000)
+    assert tight.recomputed_stacks() == ["layers"] and tight.recompute["layers"]["by"] == "solver"
+    assert tight.peak_memory_per_rank <= 4000 * 2**10
+    assert tight.estimated_step_time > free.estimated_step_time
+    # Below what any placement and recomputation reach: the error names the smallest peak and what fills it.
+    with pytest.raises(autopar.InfeasibleMemoryError,
+                       match=r"smallest plan found with recomputation \(layers \w+\) needs 3.46 MiB "
+                             r"\(largest consumers: "):
+        _tiny_plan(3300)
+
+
+def test_the_models_own_checkpointing_is_recorded_as_full_recomputation():
+    from autopar.testing.hf_models import MODELS
+
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS["llama"](batch=4, seq=16)
+    model.gradient_checkpointing_enable()
+    comp = compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
+                        config=Config(solver=QUIET, recompute="off"), template_layers=None)
+    assert comp.plan.recompute["model.layers"]["variant"] == "full"
+    assert comp.plan.recompute["model.layers"]["by"] == "model"
+    assert comp.plan.recompute["model.layers"]["saved_bytes"] > 0 and comp.plan.recompute["model.layers"]["time_s"] > 0
+    prog = comp.program(RankSpec.fake(NAMES, SHAPE, (0, 1)))
+    # Each layer saves its input: not a chain back to the first layer, whose input alone would be saved.
+    layer_inputs = [s for s in prog.saved if "input_layernorm" in s or "add" in s]
+    assert len(prog.recomputed) > len(prog.saved) and layer_inputs, prog.saved
+
+
+# --- memory truth: the plan's peak against the measured one ------------------------------------------------
+def build_small():
+    """Llama with 4 layers of width 256 on 8 x 64 tokens: 11 MiB of parameters, about 50 MiB per rank."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, LLAMA_SMALL.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    return Llama(LLAMA_SMALL), (tokens,), cross_entropy_loss
+
+
+@pytest.mark.slow
+def test_measured_peak_memory_is_within_10_percent_of_the_plan():
+    """Peak live tensor bytes of a step after a warm-up step (autopar.testing.memory), on every rank, against
+    plan.peak_memory_per_rank: the solver's plan with and without recomputation, and the DP, FSDP and Megatron
+    recipes."""
+    from autopar import recipes
+    from autopar.mesh import MeshSpec
+    from autopar.testing.memory import measure_plan_step
+
+    pool = get_pool(4)
+    model, inputs, loss_fn = build_small()
+    spec = MeshSpec(NAMES, SHAPE, ("loopback", "loopback"), "cpu")
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    kinds = {"solver": {}, "solver, full": {"recompute": "full"}}
+    kinds.update({r: dict(recipes.recipe(r)(shapes, spec, n_inputs=1), recompute="off")
+                  for r in ("ddp", "fsdp", "megatron")})
+    rows = []
+    for kind, cfg in kinds.items():
+        plan = autopar.plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs, loss_fn=loss_fn,
+                            config=Config(solver=QUIET, **cfg))
+        assert plan.peak_memory_per_rank > 10 * 2**20
+        measured = max(r["peak"] for r in pool.run(measure_plan_step, build_small, plan.to_json()))
+        rows.append((kind, plan.peak_memory_per_rank, measured))
+    bad = [r for r in rows if not 0.9 <= r[2] / r[1] <= 1.1]
+    assert not bad, [(k, f"predicted {p / 2**20:.2f} MiB, measured {m / 2**20:.2f} MiB") for k, p, m in rows]
+    # Recomputation lowers the measured peak as it lowers the predicted one.
+    by = {k: m for k, _, m in rows}
+    assert by["solver, full"] < by["solver"]
