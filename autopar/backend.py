@@ -42,30 +42,29 @@ from autopar.plan import Plan
 from autopar.runtime.compiled import CompiledStep, ReplicatedGraph
 
 INNER = ("eager", "inductor")
-OUTPUTS = ("sharded", "global")
 
 
-def backend(mesh: DeviceMesh, *, config: Config | None = None, inner: str = "inductor", outputs: str = "sharded",
+def backend(mesh: DeviceMesh, *, config: Config | None = None, inner: str = "inductor",
             seed: int | None = None, cache_dir: str | None = None) -> "Backend":
     """A torch.compile backend that plans, shards and runs a module over `mesh`:
     `torch.compile(model, backend=autopar.backend(mesh))`.
 
     inner: "inductor" (default) compiles the rank's forward and backward graphs with Inductor (Triton kernels
            on GPU, C++ on CPU); "eager" runs them as fx graphs.
-    outputs: "sharded" (default) returns outputs other than the loss as DTensors in their planned layouts (no
-             gather of logits every step); "global" returns full tensors, each output pinned replicated in the plan
-             so the planner prices its gather.
+    config.outputs: "sharded" (default) returns outputs other than the loss as DTensors in their planned layouts
+                    (no gather of logits every step); "global" returns full tensors, each output pinned replicated
+                    in the plan so the planner prices its gather.
     seed: base seed of dropout masks (default: rank 0's torch.initial_seed()).
     cache_dir: also keep plans on disk, one JSON file per graph, mesh and config, so a new process reuses them.
     Every rank compiles the same model with the same inputs; rank 0 plans and sends the plan to the others."""
-    return Backend(mesh, config=config, inner=inner, outputs=outputs, seed=seed, cache_dir=cache_dir)
+    return Backend(mesh, config=config, inner=inner, seed=seed, cache_dir=cache_dir)
 
 
 class Backend:
     """Compiles Dynamo graphs (see the module docstring). `stats` counts compiles, plans made and plans reused
     from the cache (keyed by graph, input shapes, mesh and config)."""
 
-    def __init__(self, mesh: DeviceMesh, *, config: Config | None, inner: str, outputs: str, seed: int | None,
+    def __init__(self, mesh: DeviceMesh, *, config: Config | None, inner: str, seed: int | None,
                  cache_dir: str | None):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"autopar.backend needs the job's DeviceMesh (init_device_mesh(..., mesh_dim_names=...)), "
@@ -75,14 +74,12 @@ class Backend:
         check_mesh(mesh)
         if inner not in INNER:
             raise ValueError(f"inner={inner!r}: use one of {INNER}")
-        if outputs not in OUTPUTS:
-            raise ValueError(f"outputs={outputs!r}: use one of {OUTPUTS}")
         config = config or Config()
         if config.microbatches not in (None, 1) or config.pipeline is not None or _pipeline_axis(mesh):
             raise ValueError("the torch.compile backend runs plans of one microbatch without pipeline stages for now: "
                              "leave Config.microbatches and Config.pipeline unset and use a mesh without a pp axis, or "
                              "use autopar.parallelize (pm.step) for microbatches and pipelines")
-        self.mesh, self.config, self.inner, self.outputs, self.seed = mesh, config, inner, outputs, seed
+        self.mesh, self.config, self.inner, self.seed = mesh, config, inner, seed
         self.cache_dir = cache_dir
         self.stats = {"compiles": 0, "planned": 0, "reused": 0, "replicated": 0}
         # Per planned graph: seconds to capture, to plan (or check a cached plan) and to generate the Program;
@@ -132,7 +129,7 @@ class Backend:
                             {by_fqn[n] for n in graph.crossing.values()},
                             [bpos.get(n) for n in program.buffer_names], [buffers[n] for n in program.buffer_names],
                             [graph.input_positions[spec.leaf] for spec in program.inputs], graph.loss, self.mesh,
-                            self.inner, self.outputs, runtime.agree_on_seed(self.seed), self.inner_s)
+                            self.inner, self.config.outputs, runtime.agree_on_seed(self.seed), self.inner_s)
         return step, installs
 
     def _replicated(self, gm: fx.GraphModule, graph: "GraphInputs") -> tuple["ReplicatedGraph", list]:
@@ -163,7 +160,7 @@ class Backend:
                                 microbatches=1)
         t1 = time.perf_counter()
         reject_collectives(comp.captured)
-        if self.outputs == "global":
+        if self.config.outputs == "global":
             _replicate_outputs(comp, self.mesh)
         cached = self._cached(key)
 

@@ -36,6 +36,7 @@ class SolverConfig:
 # Module FQN patterns (fnmatch) whose matmuls never run in FP8 by default: embeddings, the output head (a top-level
 # `output` or any `lm_head`) and MoE routers/gates, where FP8's 3-bit mantissa costs accuracy a model feels most.
 DEFAULT_FP8_EXCLUDE = ("*embed*", "output", "lm_head", "*.lm_head", "*router*", "gate", "*.gate")
+OUTPUT_MODES = ("sharded", "global")
 FP8_MODES = ("off", "auto", "all")
 FP8_SCALINGS = ("tensorwise", "rowwise")
 
@@ -164,6 +165,10 @@ class Config:
                the saved bytes in the memory rows. "off": never; "selective" / "full": every layer stack so.
                Layers the model checkpoints itself (torch.utils.checkpoint, transformers'
                gradient_checkpointing_enable) are recomputed in full whatever this says.
+    outputs: what the torch.compile backend (autopar.backend) returns for a graph's outputs other than the loss:
+             "sharded" (default) DTensors in their planned layouts (no gather of logits every step); "global"
+             full tensors, each output pinned replicated in the plan so the planner prices its gather.
+             `parallelize` returns the loss alone and ignores it.
     """
 
     device: str | None = None
@@ -180,6 +185,7 @@ class Config:
     pipeline: str | None = None
     pipeline_schedule: str | None = None
     recompute: str = "auto"
+    outputs: str = "sharded"
     solver: SolverConfig = SolverConfig()
 
     @property
@@ -201,6 +207,9 @@ class Config:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config(recompute={self.recompute!r}): use 'auto' (the planner decides per layer "
                              "stack), 'off', 'selective' or 'full'")
+        if self.outputs not in OUTPUT_MODES:
+            raise ValueError(f"Config(outputs={self.outputs!r}): use 'sharded' (DTensors in their planned layouts) "
+                             "or 'global' (full tensors, gathered as the plan prices it)")
         if self.pipeline not in (None, "auto"):
             raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
                              "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")

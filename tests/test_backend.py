@@ -168,7 +168,8 @@ def _mlp_run(mesh, x, y, steps: int = 2, compile_first: bool = True, **kw) -> di
     model = MLP(**{k: kw.pop(k) for k in ("graph_break",) if k in kw})
     ref = MLP()
     ref.load_state_dict(model.state_dict())
-    config = autopar.Config(solver=QUIET, pins=MEGATRON, input_placements=kw.pop("input_placements", None))
+    config = autopar.Config(solver=QUIET, pins=MEGATRON, input_placements=kw.pop("input_placements", None),
+                            outputs=kw.pop("outputs", "sharded"))
     b = autopar.backend(mesh, config=config, inner="eager", **kw)
     cm = torch.compile(model, backend=b, dynamic=False)
     for _ in range(steps):
