@@ -5,7 +5,8 @@ published H100 measurements.
 Usage: python benchmarks/fp8_gain.py [--models 8b,70b] [--skip-models] [--skip-grid]
 
 Predictions, not measurements: no GPU ran here. torchao's end-to-end runs use torch.compile, activation
-checkpointing and batch 1 per GPU; the plans here price the step as autopar runs it (no recomputation). A linear's FP8 time is the three GEMMs at the FP8 peak (rowwise:
+checkpointing and batch 1 per GPU; the plans here price the step without recomputation
+(Config(recompute="off")), so the gain is FP8's alone. A linear's FP8 time is the three GEMMs at the FP8 peak (rowwise:
 90% of it) plus each operand's amax/scale/cast kernels (kernel floor 3 us), as autopar/cost/fp8.py prices them;
 its bf16 time is the three GEMMs at the bf16 peak. Both are rooflines at datasheet peaks.
 """
@@ -87,7 +88,7 @@ def models(names: list[str]) -> None:
         steps, t0, plans = {}, time.perf_counter(), {}
         for fp8 in ("off", "auto"):
             cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=80, fp8=fp8,
-                                 solver=autopar.SolverConfig(show_progress=False))
+                                 recompute="off", solver=autopar.SolverConfig(show_progress=False))
             plans[fp8] = autopar.plan(model, mesh, (torch.zeros(batch[name], 8192, dtype=torch.long),),
                                       loss_fn=cross_entropy_loss, config=cfg)
             steps[fp8] = plans[fp8].estimated_step_time
@@ -120,7 +121,7 @@ def single_node() -> None:
                        ("rowwise", Fp8Config(mode="auto", scaling=("rowwise",), fp8_all_gather=False)),
                        ("auto", "auto")):
         cfg = autopar.Config(device="h100", links={"dp": "nvlink"}, memory_limit_gb=80, fp8=fp8,
-                             solver=autopar.SolverConfig(show_progress=False))
+                             recompute="off", solver=autopar.SolverConfig(show_progress=False))
         steps[label] = autopar.plan(model, mesh, (torch.zeros(8, 4096, dtype=torch.long),),
                                     loss_fn=cross_entropy_loss, config=cfg).estimated_step_time
     print("\nLlama-3-8B on 8 H100 (one node, dp=8 over NVLink), 8 x 4096 tokens: estimated gain over fp8 off "
