@@ -7,6 +7,9 @@ mesh, the example Llama (LLAMA_SMALL) on the same mesh, and Llama-3-8B (batch 16
 80 GB per rank) on a fake 8x8 H100 mesh (dp over InfiniBand, tp over NVLink), sequence 8192.
 
 Usage: python benchmarks/plan_pressure.py [--models opt,qwen2,...,llama-small,8b,70b] [--fractions 1,0.7,0.5,0.3]
+                                         [--recompute auto|off|selective|full]
+With recompute "auto" (the default) a binding limit makes the planner solve one placement program per recompute
+variant of the layer stack (keep, selective, full); "off" times the placement program alone.
 Each plan runs in a fresh process (wall and CPU seconds of the whole autopar.plan call, capture included). The
 ratio column is the plan time over the 1.0x plan time of the same model.
 """
@@ -46,7 +49,7 @@ def _build(name: str):
     return dict(model=model, args=args, kwargs=kwargs, loss_fn=None, **cpu)
 
 
-def run_one(name: str, limit_bytes: float | None) -> dict:
+def run_one(name: str, limit_bytes: float | None, recompute: str = "auto") -> dict:
     import warnings
 
     import autopar
@@ -54,7 +57,8 @@ def run_one(name: str, limit_bytes: float | None) -> dict:
     b = _build(name)
     # Unconstrained: a limit no plan reaches (the device's own memory would bind the 70B).
     limit_gb = 1e6 if limit_bytes is None else limit_bytes / 2**30
-    cfg = autopar.Config(solver=autopar.SolverConfig(show_progress=False), memory_limit_gb=limit_gb, **b["config"])
+    cfg = autopar.Config(solver=autopar.SolverConfig(show_progress=False), memory_limit_gb=limit_gb,
+                         recompute=recompute, **b["config"])
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -72,8 +76,8 @@ def run_one(name: str, limit_bytes: float | None) -> dict:
             "gap": s.get("gap", 0.0), "optimal": bool(s.get("optimal")), "path": s.get("path", "")}
 
 
-def _sub(name: str, limit: float | None) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps([name, limit])], capture_output=True,
+def _sub(name: str, limit: float | None, recompute: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps([name, limit, recompute])], capture_output=True,
                          text=True)
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:120]}
@@ -103,27 +107,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default=",".join(HF + ["llama-small", "8b", "70b"]))
     ap.add_argument("--fractions", default="1,0.7,0.5,0.3")
+    ap.add_argument("--recompute", default="auto", help="Config.recompute of every plan (auto, off, selective, full)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        name, limit = json.loads(a.one)
-        print(json.dumps(run_one(name, limit)))
+        print(json.dumps(run_one(*json.loads(a.one))))
         return
     print("| model | limit | plan s (wall) | plan s (CPU) | vs 1.0x | peak / verdict | techniques | step | gap |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
-        base = _sub(name, None)
+        base = _sub(name, None, a.recompute)
         print(_row(name, "1.0x", base, None), flush=True)
         if "peak" not in base:
             continue
         for f in [float(x) for x in a.fractions.split(",") if float(x) != 1.0]:
-            r = _sub(name, f * base["peak"])
+            r = _sub(name, f * base["peak"], a.recompute)
             print(_row(name, f"{f}x", r, base["wall_s"]), flush=True)
             if r.get("infeasible"):
-                print(_row(name, "smallest", _sub(name, r["smallest"] * 1.005), base["wall_s"]), flush=True)
+                print(_row(name, "smallest", _sub(name, r["smallest"] * 1.005, a.recompute), base["wall_s"]), flush=True)
                 break
         if name == "70b":
-            print(_row(name, "80 GB", _sub(name, 80 * 2**30), base["wall_s"]), flush=True)
+            print(_row(name, "80 GB", _sub(name, 80 * 2**30, a.recompute), base["wall_s"]), flush=True)
 
 
 if __name__ == "__main__":
