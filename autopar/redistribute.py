@@ -7,6 +7,7 @@ first (outer chunks), as DTensor does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -53,9 +54,13 @@ def _dims_of(p: Placement) -> list[int]:
 def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     """Steps from `src` to `dst` (one placement per mesh axis). Partial-to-Shard uses reduce_scatter and
     Shard-to-Shard all_to_all when the nesting allows it; otherwise a dim is gathered and re-chunked."""
-    src, dst = tuple(src), tuple(dst)
+    return list(_plan_steps(tuple(src), tuple(dst)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[Step, ...]:
     if src == dst:
-        return []
+        return ()
     n = len(src)
     # Axes to go through (or directly to) their target: changed axes, plus later axes that shard a dim an
     # earlier changed axis touches (they nest inside it and must be undone first).
@@ -110,7 +115,7 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]
         else:
             steps.append(Step("partialize", a, op=t.reduce_op))
         cur[a] = t
-    return steps
+    return tuple(steps)
 
 
 def _rescale(axis: int, s: Partial, t: Partial) -> Step:

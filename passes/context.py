@@ -56,6 +56,9 @@ class PassContext:
     recompute_by: dict[str, str] = dataclasses.field(default_factory=dict)
     recompute_offered: list[str] = dataclasses.field(default_factory=list)
     recompute_fixed: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The decided stacks as one program's selectors (recompute_variants.joint): None until built, False where
+    # the solve branches over combinations instead.
+    recompute_joint: Any = None
     edges: list[Edge] = dataclasses.field(default_factory=list)
     # enumerate_strategies
     strategies: dict[str, list[NodeStrategy]] = dataclasses.field(default_factory=dict)

@@ -49,19 +49,23 @@ class MemoryProfile:
         return static, float(act[i]), i
 
     def candidate_points(self) -> list[int]:
-        """Points that can be the peak under some choice: a point whose live weights are all at most another
-        point's is never above it, whatever the choice (bytes are never negative)."""
-        w = self.weight
-        if not len(w):
-            return []
-        # Largest total first: a point can only be dominated by one with a larger (or equal) total.
-        order = np.lexsort((np.arange(len(w)), -w.sum(axis=1)))
-        kept: list[int] = []
-        for i in order:
-            if kept and (w[kept] >= w[i] - 1e-12).all(axis=1).any():
-                continue
-            kept.append(int(i))
-        return sorted(kept)
+        return candidate_points(self.weight)
+
+
+def candidate_points(w: np.ndarray) -> list[int]:
+    """Points (rows of w: live weight per allocation term) that can be the peak under some choice: a point whose
+    weights are all at most another point's is never above it, whatever the choice (bytes are never
+    negative)."""
+    if not len(w):
+        return []
+    # Largest total first: a point can only be dominated by one with a larger (or equal) total.
+    order = np.lexsort((np.arange(len(w)), -w.sum(axis=1)))
+    kept: list[int] = []
+    for i in order:
+        if kept and (w[kept] >= w[i] - 1e-12).all(axis=1).any():
+            continue
+        kept.append(int(i))
+    return sorted(kept)
 
 
 def memory_profile(ctx: PassContext) -> MemoryProfile:

@@ -4,22 +4,103 @@ integer program chooses with the placements.
 
     annotate_shapes:   recompute_baseline -- the variants fixed before the solve (Config.recompute "off", "selective",
                        "full"; the model's own checkpointed stacks), and the stacks the solver decides ("auto")
-    solve_placements:  combinations, apply -- the program's recompute booleans (one per stack and variant) are
-                       branched on first: each combination of variants makes the placement program whose
-                       compute holds the recomputed ops' forward time on their local shapes (per strategy) and
-                       whose memory rows hold that combination's liveness; solve_placements solves each (keeping
-                       activations first, and stops there when memory does not bind) and keeps the fastest
+    solve_placements:  joint, chosen -- each stack the solver decides becomes a selector key of the placement
+                       program (one strategy per variant), linked to every key whose recompute time or liveness
+                       its variant changes: the link prices the recomputed ops' forward time on the local shapes
+                       of each (strategy, variant) pair, and the memory rows count those keys' allocations with
+                       each variant's liveness, conditional on the selector. One program chooses placements and
+                       variants together.
+                       combinations, apply -- the fallback where a key's liveness depends on two stacks'
+                       variants at once (or under a pipeline): one program per combination of variants, solved
+                       in turn, keeping activations first (and stopping there when memory does not bind)
     split_stages:      fractions -- the share of each key's instances recomputed, priced into a layer's backward
     build_plan:        summary -- per stack: variant, who chose it, time added, memory saved
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+import numpy as np
 import torch.fx as fx
 
 from autopar.passes.context import PassContext
 from autopar.recompute import VARIANTS, recomputed_nodes
+
+SELECTOR = "recompute/"  # the selector key of a stack: SELECTOR + its prefix, one strategy per VARIANTS entry
+
+
+@dataclasses.dataclass
+class Joint:
+    """The variants of the stacks the solver decides, as data for one placement program."""
+
+    stacks: list[str]
+    base: dict[str, str]  # every decided stack keeping its activations (the others as fixed)
+    # (stack, variant) -> the memory profile's weights and the recompute shares per key with that stack at that
+    # variant and every other decided stack keeping.
+    weight: dict[tuple[str, str], np.ndarray]
+    share: dict[tuple[str, str], dict[str, float]]
+    owner: dict[str, str]  # key -> the one stack whose variant changes its liveness or its recompute share
+
+
+def joint(ctx: PassContext) -> Joint | None:
+    """The decided stacks as one program's selectors (built once per context), or None where the solve must
+    branch: no stack to decide, a pipeline (whose stage memory follows the variants), or a key whose liveness or
+    recompute share depends on more than one stack's variant (checked over every combination)."""
+    if ctx.recompute_joint is not None or not ctx.recompute_offered or ctx.pipeline is not None:
+        return ctx.recompute_joint or None
+    from autopar.passes.memory_profile import _build, memory_profile
+
+    cap, stacks = ctx.captured, list(ctx.recompute_offered)
+    base = dict(ctx.recompute_fixed)
+    apply(ctx, base)
+    prof, share0 = memory_profile(ctx), fractions(ctx, ctx.recomputed)
+    weight, share, owner = {}, {}, {}
+
+    def changed(w, sh) -> set[str]:
+        cols = np.nonzero((w != prof.weight).any(axis=0))[0]
+        return {prof.keys[c] for c in cols} | {k for k in set(sh) | set(share0) if sh.get(k) != share0.get(k)}
+
+    for s in stacks:
+        weight[(s, "keep")], share[(s, "keep")] = prof.weight, share0
+        for v in VARIANTS[1:]:
+            rec = recomputed_nodes(cap, {**base, s: v})
+            p, sh = _build(ctx, rec), fractions(ctx, rec)
+            if p.keys != prof.keys:
+                return _branch(ctx)
+            weight[(s, v)], share[(s, v)] = p.weight, sh
+            for k in changed(p.weight, sh):
+                if owner.setdefault(k, s) != s:
+                    return _branch(ctx)
+    out = Joint(stacks, base, weight, share, owner)
+    if len(stacks) > 1:  # each key follows its owner's variant alone, in every combination
+        col = {k: c for c, k in enumerate(prof.keys)}
+        for combo in itertools.product(VARIANTS, repeat=len(stacks)):
+            variants = dict(zip(stacks, combo))
+            rec = recomputed_nodes(cap, {**base, **variants})
+            p, sh = _build(ctx, rec), fractions(ctx, rec)
+            w = prof.weight.copy()
+            for k, s in owner.items():
+                if k in col:
+                    w[:, col[k]] = weight[(s, variants[s])][:, col[k]]
+            want = {k: share[(owner[k], variants[owner[k]])].get(k) if k in owner else share0.get(k)
+                    for k in set(sh) | set(share0) | set(owner)}
+            if not np.array_equal(p.weight, w) or any(sh.get(k) != v for k, v in want.items()):
+                return _branch(ctx)
+    ctx.recompute_joint = out
+    return out
+
+
+def _branch(ctx: PassContext) -> None:
+    ctx.recompute_joint = False
+    return None
+
+
+def chosen(ctx: PassContext, choice: dict[str, int]) -> dict[str, str] | None:
+    """The variants a joint program's choice makes (its selector keys removed from `choice`), or None when the
+    choice holds no selector."""
+    picks = {k[len(SELECTOR):]: VARIANTS[choice.pop(k)] for k in [k for k in choice if k.startswith(SELECTOR)]}
+    return dict(ctx.recompute_fixed, **picks) if picks else None
 
 
 def fractions(ctx: PassContext, recomputed: set[fx.Node]) -> dict[str, float]:
@@ -103,4 +184,5 @@ def memory_peak(ctx: PassContext) -> float:
     return memory_profile(ctx).peak(ctx.choice)[1]
 
 
-__all__ = ["combinations", "apply", "summary", "recompute_time", "fractions"]
+__all__ = ["joint", "chosen", "Joint", "SELECTOR", "combinations", "apply", "summary", "recompute_time",
+           "fractions"]

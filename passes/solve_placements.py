@@ -11,11 +11,12 @@ import torch.fx as fx
 
 from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes import recompute_variants
+from autopar.recompute import VARIANTS
 from autopar.passes.context import PassContext
-from autopar.passes.memory_profile import memory_profile
+from autopar.passes.memory_profile import candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.bounded import least_memory
-from autopar.solver.ilp import IlpEdge, MemoryRows, ProgramInfeasible
+from autopar.solver.ilp import IlpEdge, IlpLink, MemoryRows, ProgramInfeasible
 from autopar.redistribute import plan_steps
 from autopar.solver.prune import reduce_problem
 
@@ -24,8 +25,12 @@ def _root(ctx: PassContext, key: str) -> tuple[str, list[int] | None]:
     return ctx.follow.get(key, (key, None))
 
 
-def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
-    """The ILP over root keys: followers' compute, memory and edges are folded into their root."""
+def build_problem(ctx: PassContext, memory_limit: float | None,
+                  joint: recompute_variants.Joint | None = None) -> IlpProblem:
+    """The ILP over root keys: followers' compute, memory and edges are folded into their root. With `joint`,
+    the decided stacks' recompute variants are selector keys of the same program (recompute_variants.py)."""
+    if joint is not None:
+        recompute_variants.apply(ctx, joint.base)
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
     # With microbatches, ops and their activation collectives run once per microbatch; a parameter's optimizer
     # step and its gradient's reduction once per step.
@@ -59,9 +64,34 @@ def build_problem(ctx: PassContext, memory_limit: float | None) -> IlpProblem:
         root, idx = _root(ctx, key)
         for i in range(len(compute[root])):
             compute[root][i] += m * share * ctx.compute_cost[key][i if idx is None else idx[i]]
+    links = _recompute_links(ctx, joint, n, compute) if joint is not None else []
     sc = ctx.config.solver
-    return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit),
-                      memory_limit=memory_limit, seed=sc.seed, workers=sc.workers)
+    return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit, joint),
+                      memory_limit=memory_limit, links=links, seed=sc.seed, workers=sc.workers)
+
+
+def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict, compute: dict) -> list[IlpLink]:
+    """A selector key per decided stack (one strategy per variant, no cost of its own) and a link from every
+    root key its variant changes: the seconds recomputation adds per (strategy, variant) pair."""
+    m, V = ctx.microbatches, len(VARIANTS)
+    for s in joint.stacks:
+        n[recompute_variants.SELECTOR + s] = V
+        compute[recompute_variants.SELECTOR + s] = [0.0] * V
+    cost: dict[tuple[str, str], list[list[float]]] = {}
+    for key, s in sorted(joint.owner.items()):
+        root, idx = _root(ctx, key)
+        if root not in n:
+            continue
+        rows = cost.setdefault((root, recompute_variants.SELECTOR + s), [[0.0] * V for _ in range(n[root])])
+        base = joint.share[(s, "keep")].get(key, 0.0)
+        if key not in ctx.compute_cost:
+            continue
+        for r, v in enumerate(VARIANTS):
+            extra = joint.share[(s, v)].get(key, 0.0) - base
+            if extra:
+                for i in range(n[root]):
+                    rows[i][r] += m * extra * ctx.compute_cost[key][i if idx is None else idx[i]]
+    return [IlpLink(k, sel, c) for (k, sel), c in sorted(cost.items())]
 
 
 def _exposed_grad(ctx: PassContext):
@@ -110,21 +140,34 @@ def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
     return out or None
 
 
-def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:
+def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants.Joint | None = None
+                ) -> MemoryRows:
     """The step simulator's memory profile over root keys, one row per candidate peak point (with a limit, only
-    the points some choice could push over it)."""
+    the points some choice could push over it). With `joint`, a key whose liveness a decided stack's variant
+    changes has one term per variant, conditional on the stack's selector."""
     prof = memory_profile(ctx)
-    terms = []
-    for k in prof.keys:
+    terms, conditions, cols = [], [], []
+    for c, k in enumerate(prof.keys):
         root, idx = _root(ctx, k)
         b = prof.act_bytes[k]
-        terms.append((root, [float(v) for v in (b if idx is None else b[idx])]))
-    points = prof.candidate_points()
+        b = [float(v) for v in (b if idx is None else b[idx])]
+        s = joint.owner.get(k) if joint is not None else None
+        if s is None:
+            terms.append((root, b))
+            conditions.append(None)
+            cols.append(prof.weight[:, c])
+            continue
+        for r, v in enumerate(VARIANTS):
+            terms.append((root, b))
+            conditions.append((recompute_variants.SELECTOR + s, r))
+            cols.append(joint.weight[(s, v)][:, c])
+    weight = np.stack(cols, axis=1) if cols else prof.weight
+    points = candidate_points(weight)
     if limit is not None and points:
         static_max = sum(float(np.max(v)) for v in prof.static.values())
         term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
-        points = [i for i in points if static_max + float(prof.weight[i] @ term_max) > limit]
-    weights = [{t: float(w) for t, w in enumerate(prof.weight[i]) if w} for i in points]
+        points = [i for i in points if static_max + float(weight[i] @ term_max) > limit]
+    weights = [{t: float(w) for t, w in enumerate(weight[i]) if w} for i in points]
     static = {k: [float(x) for x in v] for k, v in prof.static.items()}
     if ctx.microbatches > 1:
         for k, extra in _accumulation_rows(ctx).items():
@@ -132,7 +175,7 @@ def memory_rows(ctx: PassContext, limit: float | None) -> MemoryRows:
                 static[k] = [a + b for a, b in zip(static[k], extra)]
             else:
                 static[k] = extra
-    return MemoryRows(static, terms, weights)
+    return MemoryRows(static, terms, weights, conditions if joint is not None else [])
 
 
 def _accumulation_rows(ctx: PassContext) -> dict[str, list[float]]:
@@ -168,17 +211,21 @@ def expand_choice(ctx: PassContext, choice: dict[str, int]) -> dict[str, int]:
 
 
 def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Placements and, where the solver decides them (Config.recompute="auto"), the recompute variants. The
-    variants are the program's first branching: each combination makes one placement program (its recompute
-    time in the compute, its liveness in the memory rows), solved in turn, keeping activations first; when
-    that program's memory does not bind, no recomputation can be faster and the others are skipped. The
-    fastest plan (by the step simulator) of those that fit wins."""
+    """Placements and, where the solver decides them (Config.recompute="auto"), the recompute variants, in one
+    program: each decided stack is a selector key linked to the keys its variant changes
+    (recompute_variants.joint). Where that cannot be (a key whose liveness two stacks' variants change at once,
+    a pipeline), the variants are branched on instead: each combination makes one placement program, solved in
+    turn, keeping activations first; when that program's memory does not bind, no recomputation can be faster
+    and the others are skipped; the fastest plan (by the step simulator) of those that fit wins."""
     t0 = time.perf_counter()
     found, smallest, timeout = [], None, None
-    for variants in recompute_variants.combinations(ctx):
+    joint = recompute_variants.joint(ctx)
+    if joint is not None and not _may_bind(ctx, joint):
+        joint = None  # keeping every activation fits whatever the placements: no selector needed
+    for variants in [joint.base] if joint is not None else recompute_variants.combinations(ctx):
         recompute_variants.apply(ctx, variants)
         try:
-            solved = _solve_one(ctx)
+            solved = _solve_one(ctx, joint)
         except ProgramInfeasible:
             continue
         except SolverTimeout as e:
@@ -193,12 +240,14 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         _raise_infeasible(ctx)
     problem, out, reduced, result, variants, _ = min(found, key=lambda f: f[5])
     recompute_variants.apply(ctx, variants)
-    ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+    _adopt(ctx, reduced, result)
     ctx.solver_stats = dict(result.stats, keys_before_pruning=len(problem.n_strategies),
                             strategies_before_pruning=sum(problem.n_strategies.values()), optimal=result.optimal,
                             objective_s=result.objective_s, bound_s=result.bound_s, gap=result.gap,
                             path=out.path, seconds=time.perf_counter() - t0)
-    if len(recompute_variants.combinations(ctx)) > 1:
+    if joint is not None:
+        ctx.solver_stats["recompute"] = "joint"
+    elif len(recompute_variants.combinations(ctx)) > 1:
         ctx.solver_stats["recompute_programs_solved"] = len(found)
     if out.timed_out:
         warnings.warn(f"the planning time limit (Config.solver_time_limit_s={ctx.config.solver_time_limit_s} s) "
@@ -207,9 +256,27 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
-def _solve_one(ctx: PassContext) -> tuple:
+def _may_bind(ctx: PassContext, joint: recompute_variants.Joint) -> bool:
+    """Whether some placement keeping every activation could exceed the limit (some memory row remains)."""
+    from autopar.passes.simulate_step import bucket_reserve
+
+    recompute_variants.apply(ctx, joint.base)
+    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    return bool(memory_rows(ctx, float(ctx.memory_limit) - reserve).weights)
+
+
+def _adopt(ctx: PassContext, reduced, result) -> None:
+    """Make a result's choice ctx's: its selectors' recompute variants (applied), and the placements."""
+    choice = reduced.expand(result.choice)
+    variants = recompute_variants.chosen(ctx, choice)
+    if variants is not None:
+        recompute_variants.apply(ctx, variants)
+    ctx.choice = expand_choice(ctx, choice)
+
+
+def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
-    program under ctx's recompute variants."""
+    program under ctx's recompute variants, or choosing the decided ones with `joint`."""
     from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes, simulate
 
     reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
@@ -218,7 +285,7 @@ def _solve_one(ctx: PassContext) -> tuple:
     for _ in range(3):
         # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
         # than a bucket goes alone), set that aside and solve again.
-        problem = build_problem(ctx, float(ctx.memory_limit) - reserve)
+        problem = build_problem(ctx, float(ctx.memory_limit) - reserve, joint)
         reduced = reduce_problem(problem)
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
@@ -229,12 +296,12 @@ def _solve_one(ctx: PassContext) -> tuple:
                 smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
             raise SolverTimeout(_timeout_message(ctx, smallest)) from None
         result = _fastest(ctx, reduced, [out.result] + out.alternatives)
-        ctx.choice = expand_choice(ctx, reduced.expand(result.choice))
+        _adopt(ctx, reduced, result)
         buckets = 0.0 if ctx.pipeline is not None else grad_bucket_bytes(ctx)
         if buckets <= reserve:
             break
         reserve = buckets
-    step = simulate(ctx).step_time if len(recompute_variants.combinations(ctx)) > 1 else 0.0
+    step = simulate(ctx).step_time if joint is None and len(recompute_variants.combinations(ctx)) > 1 else 0.0
     return problem, out, reduced, result, dict(ctx.recompute), step
 
 
@@ -245,7 +312,7 @@ def _fastest(ctx: PassContext, reduced, results: list):
     from autopar.passes.simulate_step import simulate
 
     def step(r) -> float:
-        ctx.choice = expand_choice(ctx, reduced.expand(r.choice))
+        _adopt(ctx, reduced, r)
         return simulate(ctx).step_time
 
     times = [step(r) for r in results]

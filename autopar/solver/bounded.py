@@ -8,7 +8,9 @@
    plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies of
    relaxations without memory rows that charge each strategy's bytes at the first relaxation's shadow prices
    times a markup (`_priced_support`) and solve again: the relaxation fills the limit exactly by mixing
-   strategies, a plan needs room to spare. The best of these plans is the warm start.
+   strategies, a plan needs room to spare. Where none of these admits a plan that fits (a limit near the
+   smallest feasible peak), add a plan of least peak and solve again. The best of these plans is the warm
+   start.
 3. Without `relative_gap` (the default), the warm start is the plan, reported with its gap to the relaxation's
    bound. With one, stop if the warm start is within it, else solve the whole program from the warm start until
    the plan is proven within it.
@@ -22,12 +24,14 @@ Every step is deterministic: the same inputs give the same plan unless the deadl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
 from autopar.errors import SolverTimeout
 from autopar.solver.dispatch import solve
 from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, ProgramInfeasible
+from autopar.solver.prune import restricted_links
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
 _MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_support)
@@ -43,6 +47,7 @@ class Bounded:
     # Plans that keep axes free of blocking backward collectives waiting behind gradient reductions, for the
     # step simulator to compare with `result` (the program cannot price those waits).
     alternatives: list[IlpResult] = dataclasses.field(default_factory=list)
+    support: dict[str, list[int]] | None = None  # the strategies the warm start chose among (None: not run)
 
 
 class _Tracker:
@@ -67,13 +72,18 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # costly axis, free of them.
     waits = p.waits(out.result.choice)
     costly = sorted((ax for ax, w in waits.items() if w > _WAITS * out.result.objective_s), key=lambda ax: -waits[ax])
+    # Over the strategies the warm start chose among where it ran (the quiet program's own bound is not needed),
+    # else solved whole.
     for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
-        try:
-            other = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress)
-        except (ProgramInfeasible, SolverTimeout):
-            continue
+        q = dataclasses.replace(p, quiet_axes=quiet)
+        r = None if out.support is None else _warm_start(q, out.support, backend, deadline, _Tracker(q))
+        if r is None or (relative_gap is not None and not _within(r, out.result.bound_s, relative_gap)):
+            try:
+                r = _solve(q, backend, deadline, relative_gap, on_progress).result
+            except (ProgramInfeasible, SolverTimeout):
+                continue
         # Its own bound holds only where the axes are quiet: the whole program's bound is the one to report.
-        r, bound = other.result, min(other.result.bound_s, out.result.bound_s)
+        bound = min(r.bound_s, out.result.bound_s)
         out.alternatives.append(dataclasses.replace(
             r, bound_s=bound, optimal=r.objective_s - bound <= OPTIMALITY_TOLERANCE * r.objective_s,
             stats=dict(r.stats, quiet_axes=sorted(quiet))))
@@ -110,15 +120,26 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         second = _warm_start(p, keep, backend, deadline, seen)
         if second is not None and (start is None or second.objective_s < start.objective_s):
             start = second
+    if start is None and binding:
+        # Near the smallest feasible peak the supports may admit no plan that fits: add a plan of small peak
+        # found without a solver, then one of least peak.
+        keep = _union(keep, {k: [i] for k, i in least_memory(p).items()})
+        start = _warm_start(p, keep, backend, deadline, seen)
+    if start is None and binding:
+        least, bound = _least_peak(p, backend, deadline)
+        if bound > p.memory_limit:  # proven: no plan fits (the relaxation mixed strategies below every plan)
+            raise ProgramInfeasible("no choice of strategies satisfies the memory rows")
+        start = _warm_start(p, _union(keep, least), backend, deadline, seen)
     timings["warm_start_seconds"] = time.perf_counter() - t
     if start is not None and (relative_gap is None or _within(start, lb, relative_gap)):
         r = dataclasses.replace(start, bound_s=lb,
                                 optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
         r.stats.update(size, status="OPTIMAL", memory_binds=binding, **timings)
-        return Bounded(r, "warm start", False)
+        return Bounded(r, "warm start", False, support=keep)
     out = _search(p, start, relative_gap or 0.0, lb, backend, deadline, seen, timings, on_progress,
                   "warm start, then search")
     out.result.stats.update(memory_binds=binding)
+    out.support = keep
     return out
 
 
@@ -140,18 +161,45 @@ def _priced_support(p: IlpProblem, prices: list[float], keep: dict[str, list[int
             weight[t] += price * w
     for markup in _MARKUPS:
         compute = {k: list(v) for k, v in p.compute.items()}
+        links = {(ln.key, ln.selector): [list(row) for row in ln.cost] for ln in p.links}
         for k, v in mem.static.items():
             compute[k] = [c + markup * total * b for c, b in zip(compute[k], v)]
-        for (k, b), w in zip(mem.terms, weight):
-            if w:
+        for t, ((k, b), w) in enumerate(zip(mem.terms, weight)):
+            cond = mem.condition(t)
+            if w and cond is None:
                 compute[k] = [c + markup * w * x for c, x in zip(compute[k], b)]
+            elif w:  # on the link's pairs with the condition's selector strategy
+                cost = links[(k, cond[0])]
+                for s, x in enumerate(b):
+                    cost[s][cond[1]] += markup * w * x
+        priced = [dataclasses.replace(ln, cost=links[(ln.key, ln.selector)]) for ln in p.links]
         try:
-            _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None),
-                                       _remaining(deadline))
+            _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
+                                                           links=priced), _remaining(deadline))
         except (ProgramInfeasible, SolverTimeout):
             return keep
         keep = _union(keep, _support(x))
     return keep
+
+
+def _least_peak(p: IlpProblem, backend: str, deadline: float | None) -> tuple[dict[str, list[int]], float]:
+    """The strategies of a plan of least peak, and a proven lower bound on any plan's peak (none and 0 when the
+    deadline passes first). Selectors are branched on: one program per combination of their strategies, each
+    much faster to solve than the program that mixes them."""
+    sels = sorted(p.selectors())
+    best, bound = None, float("inf")
+    for combo in itertools.product(*(range(p.n_strategies[k]) for k in sels)):
+        keep = {k: list(range(n)) for k, n in p.n_strategies.items()}
+        keep.update({k: [r] for k, r in zip(sels, combo)})
+        try:
+            r = solve(dataclasses.replace(restrict(p, keep), memory_limit=None), backend=backend, deadline=deadline,
+                      objective="peak")
+        except (ProgramInfeasible, SolverTimeout):
+            return {}, 0.0
+        bound = min(bound, r.bound_s)
+        if best is None or r.objective_s < best[0]:
+            best = (r.objective_s, {k: [keep[k][i]] for k, i in r.choice.items()})
+    return best[1], bound
 
 
 def least_memory(p: IlpProblem) -> dict[str, int]:
@@ -162,12 +210,22 @@ def least_memory(p: IlpProblem) -> dict[str, int]:
     for row in mem.weights:
         for t, w in row.items():
             weight[t] += w
-    score = {k: [0.0] * n for k, n in p.n_strategies.items()}
+    # A selector first: the strategy whose conditional terms weigh least at their keys' smallest bytes.
+    sel: dict[str, list[float]] = {k: [0.0] * p.n_strategies[k] for k in p.selectors()}
+    for t, ((k, b), w) in enumerate(zip(mem.terms, weight)):
+        c = mem.condition(t)
+        if c is not None:
+            sel[c[0]][c[1]] += w * min(b, default=0.0)
+    out = {k: min(range(len(v)), key=v.__getitem__) for k, v in sel.items()}
+    score = {k: [0.0] * n for k, n in p.n_strategies.items() if k not in out}
     for k, v in mem.static.items():
         score[k] = [a + len(mem.weights) * b for a, b in zip(score[k], v)]
-    for (k, b), w in zip(mem.terms, weight):
-        score[k] = [a + w * x for a, x in zip(score[k], b)]
-    return {k: min(range(len(v)), key=v.__getitem__) for k, v in score.items()}
+    for t, ((k, b), w) in enumerate(zip(mem.terms, weight)):
+        c = mem.condition(t)
+        if c is None or out[c[0]] == c[1]:
+            score[k] = [a + w * x for a, x in zip(score[k], b)]
+    out.update({k: min(range(len(v)), key=v.__getitem__) for k, v in score.items()})
+    return out
 
 
 def _within(r: IlpResult | None, lb: float, gap: float) -> bool:
@@ -185,7 +243,7 @@ def _least_static(p: IlpProblem) -> dict[str, list[int]]:
     return {k: [i for i, b in enumerate(v) if b <= min(v)] for k, v in p.memory.static.items()}
 
 
-def _union(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:
+def _union(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:  # keys of a
     return {k: sorted(set(v) | set(b.get(k, ()))) for k, v in a.items()}
 
 
@@ -225,7 +283,8 @@ def restrict(p: IlpProblem, keep: dict[str, list[int]]) -> IlpProblem:
              for e in p.edges]
     return dataclasses.replace(p, n_strategies={k: len(v) for k, v in keep.items()},
                                compute={k: [p.compute[k][i] for i in v] for k, v in keep.items()}, edges=edges,
-                               memory=None if p.memory is None else p.memory.restricted(keep))
+                               memory=None if p.memory is None else p.memory.restricted(keep),
+                               links=restricted_links(p.links, keep))
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -18,7 +18,11 @@ and memory is bounded at every candidate peak point i of the schedule (`MemoryRo
 
     sum_k static[k,s] x[k,s]  +  sum_t w[i,t] sum_s bytes_t[s] x[key(t),s]  <=  limit     for every i
 
-(persistent parameter state plus the allocations live at i). With `objective="peak"` the program minimizes
+(persistent parameter state plus the allocations live at i). A link ties a key u to a selector key v (a
+choice made for many keys at once, such as a layer stack's recompute variant) by transportation variables
+y[l,s,r] as above, one per (strategy of u, strategy of v), priced per pair; a memory term may be conditional
+on the selector (its allocation lives as the point weights say only under selector strategy r), and is then
+summed over y[l,s,r] instead of x[u,s]. With `objective="peak"` the program minimizes
 the largest of these rows instead. On `quiet_axes`, the indicators of layout changes holding a blocking
 backward collective on those axes are 0. Both backends create variables in sorted key order and run
 single-threaded at a fixed seed, so the same inputs give the same plan whenever the solve ends before its
@@ -69,36 +73,62 @@ class IlpEdge:
 
 
 @dataclasses.dataclass
+class IlpLink:
+    """A key tied to a selector key: `cost[s][r]` seconds when the key takes strategy s and the selector r (a
+    layer's recompute time under each variant), and the pairs conditional memory terms sum over."""
+
+    key: str
+    selector: str
+    cost: Sequence[Sequence[float]]
+
+
+@dataclasses.dataclass
 class MemoryRows:
     """Per-rank bytes at each candidate peak point, linear in the choice: point i holds
-    sum_k static[k][s_k] + sum_t weights[i][t] * terms[t][1][s_{terms[t][0]}]."""
+    sum_k static[k][s_k] + sum_t weights[i][t] * terms[t][1][s_{terms[t][0]}], where a term t with
+    conditions[t] = (selector, r) counts only when the selector takes strategy r (a link from the term's key to
+    the selector carries it). Weights are never negative."""
 
     static: dict[str, Sequence[float]]
     terms: list[tuple[str, Sequence[float]]]
     weights: list[dict[int, float]]
+    conditions: list[tuple[str, int] | None] = dataclasses.field(default_factory=list)
+
+    def condition(self, t: int) -> tuple[str, int] | None:
+        return self.conditions[t] if self.conditions else None
 
     def usage(self, choice: dict[str, int]) -> float:
         """The largest row under `choice`."""
         return self.peak({k: {i: 1.0} for k, i in choice.items()})
 
     def peak(self, x: dict[str, dict[int, float]]) -> float:
-        """The largest row at a fractional point: x[key] maps strategies to their weights."""
+        """The largest row at a fractional point: x[key] maps strategies to their weights (a conditional term
+        counts at its selector's weight of the condition, as if the two were independent)."""
         base = sum(sum(w * v[i] for i, w in x[k].items()) for k, v in self.static.items())
-        term = [sum(w * b[i] for i, w in x[k].items()) for k, b in self.terms]
+        term = []
+        for t, (k, b) in enumerate(self.terms):
+            c = self.condition(t)
+            share = 1.0 if c is None else x[c[0]].get(c[1], 0.0)
+            term.append(share * sum(w * b[i] for i, w in x[k].items()))
         return base + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
 
-    def key_columns(self, key: str) -> list[list[float]]:
-        """Per strategy of `key`, its coefficient in each row (static first, then one per point)."""
-        n = len(next(b for k, b in [*self.static.items(), *self.terms] if k == key))
-        cols = [[float(self.static[key][s]) if key in self.static else 0.0 for s in range(n)]]
-        for row in self.weights:
-            cols.append([sum(w * self.terms[t][1][s] for t, w in row.items() if self.terms[t][0] == key)
-                         for s in range(n)])
-        return [list(c) for c in zip(*cols)]
-
     def restricted(self, kept: dict[str, list[int]]) -> "MemoryRows":
+        """The rows over the strategies `kept` lists per key; a term conditional on a dropped selector strategy
+        goes (no choice can use it)."""
+        live, conditions = [], []
+        for t in range(len(self.terms)):
+            c = self.condition(t)
+            if c is not None:
+                if c[1] not in kept[c[0]]:
+                    continue
+                c = (c[0], kept[c[0]].index(c[1]))
+            live.append(t)
+            conditions.append(c)
+        new = {t: i for i, t in enumerate(live)}
+        weights = [{new[t]: w for t, w in row.items() if t in new} for row in self.weights]
         return MemoryRows({k: [v[i] for i in kept[k]] for k, v in self.static.items()},
-                          [(k, [b[i] for i in kept[k]]) for k, b in self.terms], self.weights)
+                          [(k, [b[i] for i in kept[k]]) for k, b in (self.terms[t] for t in live)], weights,
+                          conditions if self.conditions else [])
 
 
 @dataclasses.dataclass
@@ -113,6 +143,7 @@ class IlpProblem:
     # Copies of the edges that carry `contends` or `axis_cost`, for `waits` and `quiet_axes` alone (pruning
     # folds the originals into per-strategy costs).
     side_edges: list[IlpEdge] = dataclasses.field(default_factory=list)
+    links: list[IlpLink] = dataclasses.field(default_factory=list)
     seed: int = 0
     workers: int = 1
 
@@ -127,7 +158,11 @@ class IlpProblem:
                 total += e.cost[a][b]
             else:
                 shared[(e.group, a, b)] = e.cost[a][b]
+        total += sum(ln.cost[choice[ln.key]][choice[ln.selector]] for ln in self.links)
         return total + sum(shared.values())
+
+    def selectors(self) -> set[str]:
+        return {ln.selector for ln in self.links}
 
     def waits(self, choice: dict[str, int]) -> dict[int, float]:
         """Per mesh axis where blocking backward collectives wait behind the layers' gradient reductions (one

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.solver.ilp import IlpEdge, IlpProblem
+from autopar.solver.ilp import IlpEdge, IlpLink, IlpProblem
 
 
 @dataclasses.dataclass
@@ -25,6 +25,7 @@ class Program:
     terms: list[dict[int, float]] = dataclasses.field(default_factory=list)
     points: list[dict[int, float]] = dataclasses.field(default_factory=list)
     n_edge_vars: int = 0
+    links: dict[tuple[str, str], list[list[int]]] = dataclasses.field(default_factory=dict)  # y[s][r] columns
 
     def column(self, integer: bool = False, cost: float = 0.0) -> int:
         self.integer.append(integer)
@@ -41,6 +42,8 @@ def build_program(p: IlpProblem) -> Program:
     shared: dict[tuple, int] = {}
     for e in p.edges:
         _edge(prog, e, shared)
+    for ln in p.links:
+        _link(prog, ln)
     if p.quiet_axes:
         _quiet(prog, [e for e in p.edges + p.side_edges if e.contends], p.quiet_axes)
     if p.memory is not None:
@@ -118,13 +121,32 @@ def _pair_indicators(prog: Program, e: IlpEdge) -> dict[tuple[int, int], dict[in
     return {(a, b): {y[a][b]: 1.0} for a in range(A) for b in range(B)}
 
 
+def _link(prog: Program, ln: IlpLink) -> None:
+    """Transportation variables y[s][r] between a key's strategies and its selector's, priced per pair."""
+    xs, xr = prog.x[ln.key], prog.x[ln.selector]
+    y = [[prog.column(False, float(ln.cost[s][r])) for r in range(len(xr))] for s in range(len(xs))]
+    prog.n_edge_vars += len(xs) * len(xr)
+    for s, col in enumerate(xs):
+        prog.rows.append((0.0, 0.0, {**{y[s][r]: 1.0 for r in range(len(xr))}, col: -1.0}))
+    for r, col in enumerate(xr):
+        prog.rows.append((0.0, 0.0, {**{y[s][r]: 1.0 for s in range(len(xs))}, col: -1.0}))
+    prog.links[(ln.key, ln.selector)] = y
+
+
 def _memory_rows(prog: Program, p: IlpProblem) -> None:
     mem = p.memory
     for k, v in mem.static.items():
         for col, b in zip(prog.x[k], v):
             if b:
                 prog.static[col] = prog.static.get(col, 0.0) + float(b)
-    prog.terms = [{col: float(b) for col, b in zip(prog.x[k], v) if b} for k, v in mem.terms]
+    prog.terms = []
+    for t, (k, v) in enumerate(mem.terms):
+        c = mem.condition(t)
+        if c is None:
+            prog.terms.append({col: float(b) for col, b in zip(prog.x[k], v) if b})
+        else:  # summed over the pairs (s, r) of the link from k to the selector
+            y = prog.links[(k, c[0])]
+            prog.terms.append({y[s][c[1]]: float(b) for s, b in enumerate(v) if b})
     prog.points = [dict(row) for row in mem.weights]
 
 

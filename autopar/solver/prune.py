@@ -1,5 +1,6 @@
 """Shrink an IlpProblem without changing its optimum: fold linear edges into per-strategy costs, merge
-parallel edges, and drop strategies another strategy of the same key dominates."""
+parallel edges, and drop strategies another strategy of the same key dominates (a selector's strategies are
+all kept)."""
 from __future__ import annotations
 
 import collections
@@ -7,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from autopar.solver.ilp import IlpEdge, IlpProblem
+from autopar.solver.ilp import IlpEdge, IlpLink, IlpProblem
 
 
 @dataclasses.dataclass
@@ -53,7 +54,9 @@ def reduce_problem(p: IlpProblem) -> Reduced:
             pair_edges[(e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), cost.shape)].append(cost)
     edges = [(src, dst, np.asarray(si), np.asarray(di), sum(costs))
              for (src, dst, si, di, _), costs in pair_edges.items()]
-    kept = {k: _undominated(k, n, linear, p, edges, grouped, side) for k, n in p.n_strategies.items()}
+    selectors = p.selectors()
+    kept = {k: list(range(n)) if k in selectors else _undominated(k, n, linear, p, edges, grouped, side)
+            for k, n in p.n_strategies.items()}
     new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
                  for src, dst, si, di, cost in edges]
     for e in grouped:
@@ -65,7 +68,8 @@ def reduce_problem(p: IlpProblem) -> Reduced:
             for e in side]
     q = dataclasses.replace(p, n_strategies={k: len(v) for k, v in kept.items()},
                             compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
-                            memory=None if p.memory is None else p.memory.restricted(kept), side_edges=side)
+                            memory=None if p.memory is None else p.memory.restricted(kept), side_edges=side,
+                            links=restricted_links(p.links, kept))
     return Reduced(q, kept)
 
 
@@ -84,6 +88,9 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped, side) 
             cols.append(cost[si, :])
         elif dst == key:
             cols.append(cost[:, di].T)
+    for ln in p.links:  # t must cost no more under any selector strategy
+        if ln.key == key:
+            cols.append(np.asarray(ln.cost, dtype=float))
     for e in side:  # waits: t must not use an axis s leaves free, nor put more of the layers' reductions there
         for m in [*(e.contends or {}).values(), *(e.axis_cost or {}).values()]:
             _edge_columns(cols, key, e, np.asarray(m, dtype=float))
@@ -108,6 +115,11 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped, side) 
     idx = np.arange(n)
     dominated = (le & ~eq).any(axis=1) | (eq & (idx[None, :] < idx[:, None])).any(axis=1)
     return [int(i) for i in idx[~dominated]]
+
+
+def restricted_links(links: list[IlpLink], kept: dict[str, list[int]]) -> list[IlpLink]:
+    return [dataclasses.replace(ln, cost=[[ln.cost[s][r] for r in kept[ln.selector]] for s in kept[ln.key]])
+            for ln in links]
 
 
 def _edge_columns(cols: list, key: str, e: IlpEdge, m: np.ndarray) -> None:
