@@ -47,7 +47,6 @@ class Bounded:
     # Plans that keep axes free of blocking backward collectives waiting behind gradient reductions, for the
     # step simulator to compare with `result` (the program cannot price those waits).
     alternatives: list[IlpResult] = dataclasses.field(default_factory=list)
-    support: dict[str, list[int]] | None = None  # the strategies the warm start chose among (None: not run)
 
 
 class _Tracker:
@@ -72,16 +71,12 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # costly axis, free of them.
     waits = p.waits(out.result.choice)
     costly = sorted((ax for ax, w in waits.items() if w > _WAITS * out.result.objective_s), key=lambda ax: -waits[ax])
-    # Over the strategies the warm start chose among where it ran (the quiet program's own bound is not needed),
-    # else solved whole.
+    # (Solved whole: restricted to the strategies of the main warm start, the quiet plans come out slower.)
     for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
-        q = dataclasses.replace(p, quiet_axes=quiet)
-        r = None if out.support is None else _warm_start(q, out.support, backend, deadline, _Tracker(q))
-        if r is None or (relative_gap is not None and not _within(r, out.result.bound_s, relative_gap)):
-            try:
-                r = _solve(q, backend, deadline, relative_gap, on_progress).result
-            except (ProgramInfeasible, SolverTimeout):
-                continue
+        try:
+            r = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress).result
+        except (ProgramInfeasible, SolverTimeout):
+            continue
         # Its own bound holds only where the axes are quiet: the whole program's bound is the one to report.
         bound = min(r.bound_s, out.result.bound_s)
         out.alternatives.append(dataclasses.replace(
@@ -135,11 +130,10 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         r = dataclasses.replace(start, bound_s=lb,
                                 optimal=start.objective_s - lb <= OPTIMALITY_TOLERANCE * start.objective_s)
         r.stats.update(size, status="OPTIMAL", memory_binds=binding, **timings)
-        return Bounded(r, "warm start", False, support=keep)
+        return Bounded(r, "warm start", False)
     out = _search(p, start, relative_gap or 0.0, lb, backend, deadline, seen, timings, on_progress,
                   "warm start, then search")
     out.result.stats.update(memory_binds=binding)
-    out.support = keep
     return out
 
 
