@@ -336,6 +336,17 @@ def fmt_mem(nbytes: float, scale: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
+    """The gradient buffers a plan needs beside its peak: what the program sets aside, or more where `choice`'s
+    buckets take more (the program then sets that aside and solves again)."""
+    from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes
+
+    if ctx.pipeline is not None:
+        return 0.0
+    ctx.choice = choice
+    return max(bucket_reserve(ctx), grad_bucket_bytes(ctx))
+
+
 def _raise_infeasible(ctx: PassContext) -> None:
     """Minimize the peak (no limit) and say how far it is from fitting, and what fills it: over every recompute
     variant the solver may choose, the smallest."""
@@ -355,16 +366,14 @@ def _raise_infeasible(ctx: PassContext) -> None:
                 "smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
                 "memory_limit_gb.") from None
         choice = expand_choice(ctx, reduced.expand(best.choice))
-        peak = sum(memory_profile(ctx).peak(choice)[:2])
+        peak = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice)
         if smallest is None or peak < smallest[0]:
             smallest = (peak, variants, choice)
     _, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
-    from autopar.passes.simulate_step import bucket_reserve
-
-    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    reserve = _buckets(ctx, choice)
     static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers.append((reserve, "gradient buckets"))
