@@ -219,9 +219,8 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     and the others are skipped; the fastest plan (by the step simulator) of those that fit wins."""
     t0 = time.perf_counter()
     found, smallest, timeout = [], None, None
-    joint = recompute_variants.joint(ctx)
-    if joint is not None and not _may_bind(ctx, joint):
-        joint = None  # keeping every activation fits whatever the placements: no selector needed
+    # Where keeping every activation fits whatever the placements, no selector is needed (nor built).
+    joint = recompute_variants.joint(ctx) if ctx.recompute_offered and _may_bind(ctx) else None
     for variants in [joint.base] if joint is not None else recompute_variants.combinations(ctx):
         recompute_variants.apply(ctx, variants)
         try:
@@ -256,11 +255,12 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
-def _may_bind(ctx: PassContext, joint: recompute_variants.Joint) -> bool:
-    """Whether some placement keeping every activation could exceed the limit (some memory row remains)."""
+def _may_bind(ctx: PassContext) -> bool:
+    """Whether some placement keeping every activation the solver decides on could exceed the limit (some
+    memory row remains)."""
     from autopar.passes.simulate_step import bucket_reserve
 
-    recompute_variants.apply(ctx, joint.base)
+    recompute_variants.apply(ctx, ctx.recompute_fixed)
     reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
     return bool(memory_rows(ctx, float(ctx.memory_limit) - reserve).weights)
 
