@@ -258,11 +258,15 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
 def _may_bind(ctx: PassContext) -> bool:
     """Whether some placement keeping every activation the solver decides on could exceed the limit (some
     memory row remains)."""
+    recompute_variants.apply(ctx, ctx.recompute_fixed)
+    return bool(memory_rows(ctx, float(ctx.memory_limit) - _reserve(ctx)).weights)
+
+
+def _reserve(ctx: PassContext) -> float:
+    """What the program sets aside from the limit for the gradient buckets (none under a pipeline)."""
     from autopar.passes.simulate_step import bucket_reserve
 
-    recompute_variants.apply(ctx, ctx.recompute_fixed)
-    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
-    return bool(memory_rows(ctx, float(ctx.memory_limit) - reserve).weights)
+    return 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
 
 
 def _adopt(ctx: PassContext, reduced, result) -> None:
@@ -277,9 +281,9 @@ def _adopt(ctx: PassContext, reduced, result) -> None:
 def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
     program under ctx's recompute variants, or choosing the decided ones with `joint`."""
-    from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes, simulate
+    from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
-    reserve = 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    reserve = _reserve(ctx)
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
     for _ in range(3):
@@ -339,12 +343,12 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
     """The gradient buffers a plan needs beside its peak: what the program sets aside, or more where `choice`'s
     buckets take more (the program then sets that aside and solves again)."""
-    from autopar.passes.simulate_step import bucket_reserve, grad_bucket_bytes
+    from autopar.passes.simulate_step import grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return max(bucket_reserve(ctx), grad_bucket_bytes(ctx))
+    return max(_reserve(ctx), grad_bucket_bytes(ctx))
 
 
 def _raise_infeasible(ctx: PassContext) -> None:
