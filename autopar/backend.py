@@ -36,10 +36,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar import _torch_compat as compat
+from autopar.capture import HEADS
 from autopar.config import Config
 from autopar.dynamo_graph import BREAK_PREFIX, GraphInputs, GraphStep, graph_key
 from autopar.plan import Plan
-from autopar.runtime.compiled import CompiledStep, ReplicatedGraph
+from autopar.runtime.compiled import CompiledStep
 
 INNER = ("eager", "inductor")
 
@@ -81,7 +82,7 @@ class Backend:
                              "use autopar.parallelize (pm.step) for microbatches and pipelines")
         self.mesh, self.config, self.inner, self.seed = mesh, config, inner, seed
         self.cache_dir = cache_dir
-        self.stats = {"compiles": 0, "planned": 0, "reused": 0, "replicated": 0}
+        self.stats = {"compiles": 0, "planned": 0, "reused": 0}
         # Per planned graph: seconds to capture, to plan (or check a cached plan) and to generate the Program;
         # `inner_s`: seconds Inductor spent compiling the programs' graphs (on their first calls).
         self.timings: list[dict] = []
@@ -109,8 +110,6 @@ class Backend:
         self.stats["compiles"] += 1
         graph = GraphInputs.of(gm, list(example_inputs))
         _check_owner(graph, self)
-        if graph.replicated:
-            return self._replicated(gm, graph)
         step = GraphStep(graph.root, gm, graph, example_inputs)
         key = graph_key(gm, graph, self.mesh, self.config, self.inner)
         # Parameters an earlier graph (or an earlier compile of this one) sharded keep their placements; values
@@ -129,22 +128,9 @@ class Backend:
                             {by_fqn[n] for n in graph.crossing.values()},
                             [bpos.get(n) for n in program.buffer_names], [buffers[n] for n in program.buffer_names],
                             [graph.input_positions[spec.leaf] for spec in program.inputs], graph.loss, self.mesh,
-                            self.inner, self.config.outputs, runtime.agree_on_seed(self.seed), self.inner_s)
+                            self.inner, "global" if graph.heads else self.config.outputs,
+                            runtime.agree_on_seed(self.seed), self.inner_s, heads=graph.heads)
         return step, installs
-
-    def _replicated(self, gm: fx.GraphModule, graph: "GraphInputs") -> tuple["ReplicatedGraph", list]:
-        """A graph before a graph break (no loss): its plain parameters become replicated DTensors, and it runs
-        on every rank as Dynamo traced it."""
-        from autopar.runtime.state import shard_real
-
-        installs, params = [], {}
-        for i, fqn in graph.params.items():
-            p = graph.root.get_parameter(fqn)
-            if not isinstance(p, DTensor):
-                params[i] = _replacement(graph.root, p, shard_real(p, self.mesh, _replicate(self.mesh)), fqn, self,
-                                         installs)
-        self.stats["replicated"] += 1
-        return ReplicatedGraph(gm), installs
 
     def _program(self, step: "GraphStep", graph: "GraphInputs", config: Config, key: str):
         """This rank's Program of the graph: the plan cached under `key` when there is one (checked against this
@@ -156,11 +142,11 @@ class Backend:
 
         t0 = time.perf_counter()
         with forward_only(step) if graph.forward_only else contextlib.nullcontext():
-            comp = capture_step(step, self.mesh, graph.inputs, {}, _loss_and_outputs, config, template_layers=None,
-                                microbatches=1)
+            comp = capture_step(step, self.mesh, graph.inputs, {}, HEADS if graph.heads else _loss_and_outputs,
+                                config, template_layers=None, microbatches=1, read_state_only=True)
         t1 = time.perf_counter()
         reject_collectives(comp.captured)
-        if self.config.outputs == "global":
+        if self.config.outputs == "global" or graph.heads:  # values handed to the code after a break: full
             _replicate_outputs(comp, self.mesh)
         cached = self._cached(key)
 

@@ -24,6 +24,16 @@ from autopar.errors import CaptureError
 LossFn = Callable[..., torch.Tensor]
 
 
+class Heads:
+    """The `loss_fn` of a graph that ends in values another graph goes on with, not in a loss (a torch.compile
+    graph before a graph break): the model returns a tensor or a tuple of tensors; those that require grad
+    become the capture's `stage_outputs`, each with its tangent (the gradient the later graph sends back), and
+    the others its `outputs`. The capture has no loss."""
+
+
+HEADS = Heads()
+
+
 @dataclasses.dataclass
 class Block:
     """A repeated layer stack: `prefix.i` for i < count in the model, `captured` of them in the graph."""
@@ -42,7 +52,7 @@ class Captured:
     buffers: dict[str, fx.Node]
     inputs: list[fx.Node]
     tangents: list[fx.Node]
-    loss: fx.Node
+    loss: fx.Node | None  # None in a capture of heads (HEADS)
     grads: dict[str, fx.Node]
     phase: dict[fx.Node, str]
     module_of: dict[fx.Node, str]
@@ -66,10 +76,14 @@ class Captured:
     loss_count: fx.Node | None = None
     # A pipeline stage's capture (autopar/codegen/stages.py): the activations it receives from the previous
     # stage (placeholders), those it sends to the next (outputs, instead of the loss), and the gradients of its
-    # received activations (backward outputs, in stage_inputs order).
+    # received activations (backward outputs, in stage_inputs order). A capture with `loss_fn=HEADS` (a graph
+    # before a graph break) has stage_outputs and their tangents, and no loss.
     stage_inputs: list[fx.Node] = dataclasses.field(default_factory=list)
     stage_outputs: list[fx.Node] = dataclasses.field(default_factory=list)
     input_grads: list[fx.Node] = dataclasses.field(default_factory=list)
+    # The stage outputs leave replicated (a graph before a graph break hands full values on), not in their
+    # producers' layouts as a pipeline stage sends them.
+    replicated_heads: bool = False
 
     def name(self, node: fx.Node) -> str:
         return self.names[node]
@@ -95,6 +109,16 @@ class _LossWrapper(nn.Module):
         if isinstance(res, (tuple, list)):  # (loss, *other outputs): the others are returned, not differentiated
             return (res[0], *(x.detach() for x in res[1:]))
         return res
+
+
+class _HeadsWrapper(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _loss_from_output(out: Any) -> torch.Tensor:
@@ -191,7 +215,8 @@ def _decompositions(batch_norm_sums: bool = False) -> dict:
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
             loss_fn: LossFn | None = None, *, template_layers: int | None = None,
-            autocast_dtype: torch.dtype | None = None, batch_norm_sums: bool = False) -> Captured:
+            autocast_dtype: torch.dtype | None = None, batch_norm_sums: bool = False,
+            read_state_only: bool = False) -> Captured:
     """Trace model+loss into a joint graph. With `template_layers=k`, repeated layer stacks are cut to k
     layers during the trace (the planner scales their costs back up), so capture time does not grow with depth.
 
@@ -202,11 +227,13 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     Without it, autocast is off during the trace even inside a caller's autocast region, so the graph is the
     precision planned. With `batch_norm_sums`, training batch norm is traced as per-channel sums
     (autopar/rules/sync_batch_norm.py), which a batch-sharded layout reduces across ranks: global statistics, as
-    SyncBatchNorm computes them."""
+    SyncBatchNorm computes them. With `read_state_only`, parameters and buffers the step does not read are left out
+    of the capture (a torch.compile graph covers part of the model: it places only what it reads)."""
     t0 = time.perf_counter()
     kwargs = dict(example_kwargs or {})
     mode = compat.fake_tensor_mode()
-    wrapper = _LossWrapper(model, loss_fn)
+    heads = isinstance(loss_fn, Heads)
+    wrapper = _HeadsWrapper(model) if heads else _LossWrapper(model, loss_fn)
     with _truncated(model, template_layers) as blocks, _fake_state(model, mode):
         args = tuple(_to_fake_input(a, mode) for a in example_inputs)
         kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
@@ -223,12 +250,23 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     block_list = [Block(name, count=len(ml), captured=min(len(ml), template_layers or len(ml))) for name, ml in blocks]
     _merge_tied(gm, _tie_groups(model))
     _dedupe_casts(gm)
-    cap = _describe(gm, block_list)
+    if read_state_only:
+        _drop_unread_state(gm)
+    cap = _describe(gm, block_list, heads)
     cap.input_specs = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in example_inputs]
     cap.batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                        and m.training and n in set(cap.module_of.values())]
     cap.capture_seconds = time.perf_counter() - t0
     return cap
+
+
+def _drop_unread_state(gm: fx.GraphModule) -> None:
+    """Remove the placeholders of parameters and buffers no op reads (their gradients are None)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and not node.users and \
+                compat.descriptor_kind(node.meta.get("desc"))[0] in ("param", "buffer"):
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _dedupe_casts(gm: fx.GraphModule) -> None:
@@ -302,8 +340,9 @@ def _strip(fqn: str) -> str:
     return fqn[len("model."):] if fqn.startswith("model.") else fqn
 
 
-def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
+def _describe(gm: fx.GraphModule, blocks: list[Block], heads: bool = False) -> Captured:
     params, buffers, inputs, tangents, grads = {}, {}, [], [], {}
+    tangent_of: dict[int, fx.Node] = {}  # output index -> its tangent placeholder
     param_specs = {}
     loss = None
     names: dict[fx.Node, str] = {}
@@ -322,14 +361,19 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
                 names[node] = f"input/{len(inputs) - 1}"
             elif kind == "tangent":
                 tangents.append(node)
+                out_kind, out_idx = compat.descriptor_kind(what)
+                if out_kind == "loss":
+                    tangent_of[out_idx] = node
                 names[node] = f"tangent/{len(tangents) - 1}"
             else:
                 raise CaptureError(f"unsupported graph input {node.meta.get('desc')!r}")
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    mutations, outputs = {}, []
+    mutations, outputs, heads_out = {}, [], []
     for value, desc in zip(out.args[0], out.meta.get("desc", [])):
         kind, what = compat.descriptor_kind(desc)
-        if kind == "loss" and loss is None:
+        if kind == "loss" and heads:
+            (heads_out if what in tangent_of else outputs).append(value)
+        elif kind == "loss" and loss is None:
             loss = value
         elif kind == "loss":
             outputs.append(value)
@@ -345,7 +389,13 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
             raise CaptureError(f"the model changes the parameter {_strip(what)} in place during the step; only the "
                                "optimizer may update parameters under autopar: make the update out of place, or "
                                "keep the value in a buffer (register_buffer)")
-    if loss is None:
+    if heads:  # tangents in the order of the values they belong to
+        if not heads_out:
+            raise CaptureError("the traced graph returns no value that requires grad")
+        tangents = [tangent_of[i] for i in sorted(tangent_of)]
+        for k, t in enumerate(tangents):
+            names[t] = f"tangent/{k}"
+    elif loss is None:
         raise CaptureError("the traced graph has no loss output")
     module_of, phase = _attribute(gm, [b.prefix for b in blocks])
     counts: collections.Counter = collections.Counter()
@@ -373,10 +423,12 @@ def _describe(gm: fx.GraphModule, blocks: list[Block]) -> Captured:
     cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,
                    block_of=block_of, blocks=blocks, input_specs=[], param_specs=param_specs,
-                   checkpointed=checkpointed, mutations=mutations, outputs=outputs)
-    from autopar.microbatch import loss_reduction
+                   checkpointed=checkpointed, mutations=mutations, outputs=outputs, stage_outputs=heads_out,
+                   replicated_heads=heads)
+    if not heads:
+        from autopar.microbatch import loss_reduction
 
-    cap.loss_reduction, cap.loss_count = loss_reduction(cap)
+        cap.loss_reduction, cap.loss_count = loss_reduction(cap)
     return cap
 
 

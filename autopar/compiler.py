@@ -58,11 +58,12 @@ class Compilation:
 def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], example_kwargs: dict | None,
                  loss_fn: Callable | None, config: Config | None, *, template_layers: int | None,
                  progress: Any = None, deadline: float | None = None,
-                 microbatches: int | None = None) -> Compilation:
+                 microbatches: int | None = None, read_state_only: bool = False) -> Compilation:
     """Capture the model's step on `mesh` and key its nodes (the first pass), ready to plan or to check a plan
     against. Planning must end by `deadline` (time.monotonic()); by default Config.solver_time_limit_s from now.
     With `microbatches` m > 1 (default: Config.microbatches when it is a number, else 1) the example inputs are
-    the global batch and the graph is traced on one microbatch of it (every tensor input's dim 0 divided by m)."""
+    the global batch and the graph is traced on one microbatch of it (every tensor input's dim 0 divided by m).
+    `read_state_only`: leave out the parameters and buffers the step does not read (autopar.capture.capture)."""
     from autopar.microbatch import first_microbatch
     from autopar.passes import annotate_shapes_pass
     from autopar.passes.context import PassContext
@@ -82,7 +83,8 @@ def capture_step(model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[An
     if progress:
         progress.update("capturing the joint forward+backward graph")
     cap = capture(model, tuple(example_inputs), example_kwargs, loss_fn, template_layers=template_layers,
-                  autocast_dtype=precision.autocast_dtype, batch_norm_sums=config.sync_batch_norm)
+                  autocast_dtype=precision.autocast_dtype, batch_norm_sums=config.sync_batch_norm,
+                  read_state_only=read_state_only)
     if microbatches > 1 and cap.batch_norms:
         raise ValueError(f"batch norm in training mode ({cap.batch_norms[0]}) would compute its statistics over each "
                          f"microbatch, not over the global batch, under microbatches={microbatches}: use "

@@ -27,11 +27,13 @@ class GraphInputs:
     example values are `inputs`); `loss` is the position of the loss among the graph's outputs, which number
     `n_outputs`; the graph takes `n_flat` inputs.
 
-    `forward_only`: traced under no_grad, planned and run without a backward. `replicated`: a graph before a
-    graph break, which returns values that require grad but no loss: it runs unplanned on every rank, on the
-    whole batch, with its parameters replicated. `crossing`: input positions of values a graph before a break
-    computed, which need their gradient: each is planned as a replicated stand-in parameter named
-    `BREAK_PREFIX<k>`, whose gradient flows back into the earlier graph."""
+    `forward_only`: traced under no_grad, planned and run without a backward. `heads`: a graph before a graph
+    break, which returns values that require grad but no loss: the positions of those outputs among the graph's
+    outputs. It is planned like any other graph, captured with `autopar.capture.HEADS`: the values leave it
+    replicated, and their gradients, which the later graphs compute, come back into its backward.
+    `crossing`: input positions of values a graph before a break computed, which need their gradient: each is
+    planned as a replicated stand-in parameter named `BREAK_PREFIX<k>`, whose gradient flows back into the
+    earlier graph."""
 
     root: nn.Module
     params: dict[int, str]
@@ -42,7 +44,7 @@ class GraphInputs:
     n_outputs: int
     n_flat: int
     forward_only: bool = False
-    replicated: bool = False
+    heads: list[int] = dataclasses.field(default_factory=list)
     crossing: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -81,8 +83,9 @@ class GraphInputs:
         forward_only = not any(_value(v) is not None and _value(v).requires_grad for v in values)
         loss = next((k for k, v in enumerate(values) if _is_loss(v, not forward_only)), None)
         if loss is None and not forward_only:
+            heads = [k for k, v in enumerate(values) if _value(v) is not None and _value(v).requires_grad]
             return cls(root, params, buffers, positions, tuple(example[i] for i in positions), -1, len(values),
-                       len(example), replicated=True)
+                       len(example), heads=heads, crossing=crossing)
         if loss is None:
             raise ValueError("the compiled graph returns no scalar loss that requires grad: the autopar backend "
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
@@ -134,7 +137,8 @@ def _root_of(tensors: list[torch.Tensor]) -> tuple[nn.Module, dict[int, tuple[st
 
 class GraphStep(nn.Module):
     """Runs a Dynamo graph with the root module's parameters and buffers looked up by FQN (so capture's fake
-    state and names apply) and the call's tensors as arguments; returns (loss, *other outputs). It shares the
+    state and names apply) and the call's tensors as arguments; returns (loss, *other outputs), or a graph
+    before a break its outputs as they are. It shares the
     root's submodules, parameters and buffers: FQNs, tied weights and repeated layers are the root's."""
 
     def __init__(self, root: nn.Module, gm: fx.GraphModule, graph: GraphInputs, example: Sequence[Any]):
@@ -159,6 +163,8 @@ class GraphStep(nn.Module):
             flat[i] = x
         outs = _Annotated(self._graph).run(*flat)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if g.heads:  # in the graph's order (capture with HEADS tells the differentiable ones apart)
+            return tuple(outs)
         others = [o for k, o in enumerate(outs) if k != g.loss]
         return (outs[g.loss], *others) if others else outs[g.loss]
 
@@ -197,7 +203,7 @@ def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: 
         t = root.get_parameter(fqn) if pos in graph.params else root.get_buffer(fqn)
         parts.append(f"{pos}|{fqn}|{tuple(t.shape)}|{t.dtype}")
     parts.append(json.dumps([list(mesh.mesh_dim_names), list(mesh.mesh.shape), mesh.device_type,
-                             config.to_json(), inner, graph.forward_only], sort_keys=True, default=str))
+                             config.to_json(), inner, graph.forward_only, graph.heads], sort_keys=True, default=str))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

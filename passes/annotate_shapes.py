@@ -202,8 +202,10 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
         u, out = producer(value)
         bnode = cap.buffers[fqn]
         add(u, out, ctx.key[bnode], -1, _scale(ctx, bnode)[1], "buffer", _tensor_meta(bnode))
-    u, out = producer(cap.loss)
-    add(u, out, "<loss>", -1, 1.0, "loss", _tensor_meta(cap.loss))
+    # The loss ends replicated; so does each value a graph before a graph break hands on (its heads).
+    for k, v in enumerate(cap.stage_outputs if cap.replicated_heads else [cap.loss]):
+        u, out = producer(v)
+        add(u, out, f"<head {k}>" if cap.replicated_heads else "<loss>", -1, 1.0, "loss", _tensor_meta(v))
     ctx.edges = [Edge(src, out, dst, arg, count, kind, meta)
                  for (src, out, dst, arg, kind), (count, meta) in acc.items()]
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
 from autopar.capture import Captured
 from autopar.codegen.builder import CodegenError, RankSpec
@@ -58,6 +59,7 @@ def generate(plan: Plan, cap: Captured, rank: RankSpec, stage: int | None = None
                           tuple(joint.layouts[local.name])) for n, local in zip(cap.stage_inputs, joint.stage_inputs)]
     acts_out = [TensorSpec(cap.names[n], tuple(int(x) for x in n.meta["val"].shape),
                            tuple(int(x) for x in local.meta["val"].shape), n.meta["val"].dtype,
+                           (Replicate(),) * len(rank.axis_sizes) if cap.replicated_heads else
                            tuple(_layout_of(plan, cap, n))) for n, local in zip(cap.stage_outputs, fwd_out)]
     outputs = [TensorSpec(cap.names[n], tuple(int(s) for s in n.meta["val"].shape),
                           tuple(int(s) for s in local.meta["val"].shape), n.meta["val"].dtype,

@@ -374,8 +374,13 @@ class _Lowering:
     def _output(self) -> None:
         cap = self.cap
         replicated = tuple(Replicate() for _ in self.rank.axis_sizes)
-        # A stage that is not the last sends its activations on, as laid out where they are computed.
-        heads = [self.env[v] for v in cap.stage_outputs] or [self._arg(cap.loss, replicated, "fwd", "the loss")]
+        # A stage that is not the last sends its activations on, as laid out where they are computed; a graph
+        # before a graph break hands its values on replicated.
+        if cap.replicated_heads:
+            heads = [self._arg(v, replicated, "fwd", "the next graph (after a graph break)")
+                     for v in cap.stage_outputs]
+        else:
+            heads = [self.env[v] for v in cap.stage_outputs] or [self._arg(cap.loss, replicated, "fwd", "the loss")]
         before = set(self.b.graph.nodes)
         local = {fqn: self.env[g] for fqn, g in cap.grads.items() if g is not None}
         if self.plan.microbatches > 1:

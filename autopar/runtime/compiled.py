@@ -1,6 +1,6 @@
 """Running a Program as the compiled form of a torch.compile graph (autopar.backend): the graph's flat inputs in
-(DTensor parameters and buffers, the call's tensors), the graph's outputs out; and a graph before a graph break,
-run as traced on every rank."""
+(DTensor parameters and buffers, the call's tensors), the graph's outputs out: the loss, or, from a graph before
+a graph break, the values the code after the break goes on with, whose gradients come back into its backward."""
 from __future__ import annotations
 
 import time
@@ -23,11 +23,13 @@ class CompiledStep:
     Per Program parameter (and buffer), `param_pos` is its position among the graph's inputs (None: the graph
     does not read it; `params` holds it); `crossing` the positions of values an earlier graph computed, passed
     as replicated stand-in parameters; `input_pos` the position of each Program input; `loss` the loss's
-    position among the graph's outputs."""
+    position among the graph's outputs. A graph before a graph break has no loss: `heads` are the positions of
+    the values it hands on (the Program's activations_out, replicated), returned as full tensors whose
+    gradients run the Program's backward."""
 
     def __init__(self, program: Program, param_pos: list, params: list, crossing: set, buffer_pos: list,
                  buffers: list, input_pos: list, loss: int, mesh: DeviceMesh, inner: str, outputs: str, seed: int,
-                 inner_s: list):
+                 inner_s: list, heads: list[int] | None = None):
         from autopar.runtime.module import _Runner
         from autopar.runtime.state import mesh_coords, mesh_device
 
@@ -48,7 +50,7 @@ class CompiledStep:
         self._replicate = tuple(Replicate() for _ in mesh.mesh.shape)
         self._param_pos, self._params, self._crossing = param_pos, params, crossing
         self._buffer_pos, self._buffers, self._input_pos = buffer_pos, buffers, input_pos
-        self._loss = loss
+        self._loss, self._heads = loss, list(heads or [])
         self._seed, self._step = seed, 0
 
     def __call__(self, *flat: Any) -> list:
@@ -60,6 +62,9 @@ class CompiledStep:
         buffers = [_local(b if i is None else flat[i]) for i, b in zip(self._buffer_pos, self._buffers)]
         inputs = [self._local_input(flat[i], spec) for i, spec in zip(self._input_pos, self.program.inputs)]
         seed = self._next_seed()
+        if self._heads:
+            outs = _HandOn.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
+            return self._handed_on(outs[:len(self._heads)], outs[len(self._heads):])
         if torch.is_grad_enabled():
             loss, *outs = _TrainStep.apply(self._runner, len(params), *params, *buffers, *inputs, *seed)
         else:
@@ -82,6 +87,15 @@ class CompiledStep:
             others = [o.full_tensor() for o in others]
         others.insert(self._loss, loss)
         return others
+
+    def _handed_on(self, heads, others) -> list:
+        """The outputs of a graph before a break in the graph's order: the handed-on values where `heads` says,
+        the others (replicated, full) in the remaining places."""
+        out: list = [None] * (len(heads) + len(others))
+        for k, h in zip(self._heads, heads):
+            out[k] = h
+        rest = iter(others)
+        return [next(rest) if o is None else o for o in out]
 
     def _next_seed(self) -> list:
         from autopar.codegen.rng import step_seed
@@ -117,19 +131,36 @@ class _InductorGraph:
         return self.fn(*args)
 
 
-class ReplicatedGraph:
-    """A graph before a graph break, run as Dynamo traced it on every rank: DTensor inputs (parameters, values
-    of earlier graphs) as full tensors, differentiably, so gradients reach the DTensor parameters."""
+class _HandOn(torch.autograd.Function):
+    """A graph before a graph break as one autograd node. Forward: the Program's forward over (parameter shards,
+    buffers, input shards) -> the values it hands on (replicated, so full tensors) and its other outputs.
+    Backward: the gradients of those values, as the later graphs computed them, are the tangents of the
+    Program's backward -> the parameters' gradient shards."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
+    @staticmethod
+    def forward(ctx, runner, n_params: int, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        params = flat[:n_params]
+        heads, outputs, _, saved = runner.forward(*[compat.dtensor_local(p) for p in params], *flat[n_params:])
+        ctx.runner, ctx.params, ctx.n_rest = runner, params, len(flat) - n_params
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*outputs)
+        return (*heads, *outputs)
 
-    def __call__(self, *flat: Any):
-        return self.gm(*[x.full_tensor() if isinstance(x, DTensor) else x for x in flat])
+    @staticmethod
+    def backward(ctx, *grads):
+        specs = ctx.runner.program.activations_out
+        device = next((g.device for g in grads if g is not None), None)
+        tangents = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if g is None else g.contiguous()
+                    for g, s in zip(grads, specs)]
+        out = ctx.runner.backward(*ctx.saved_tensors, *tangents)
+        if ctx.runner.nonfinite is not None:
+            out = ctx.runner.nonfinite.check(out)
+        params = [None if g is None else compat.dtensor_like(g, p) for g, p in zip(out, ctx.params)]
+        return (None, None, *params, *([None] * ctx.n_rest))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-__all__ = ["CompiledStep", "ReplicatedGraph"]
+__all__ = ["CompiledStep"]

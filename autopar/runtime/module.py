@@ -39,20 +39,23 @@ class _Runner:
         # Buffers the step updates (batch norm statistics): their positions among the forward's inputs.
         n = len(program.params)
         self._updated = [n + program.buffer_names.index(f) for f in program.buffer_updates]
+        self._heads = max(1, len(program.activations_out))
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor | None, tuple]:
         """Runs the forward graph, writes the buffers' new values into them (in place, as the one-device
-        module does), and returns the loss, the other outputs (local pieces), the loss's count (programs of
-        several microbatches whose loss is a ratio; else None) and the tensors saved for backward."""
+        module does), and returns the loss (a program that hands values on instead, `activations_out`: a tuple of
+        them), the other outputs (local pieces), the loss's count (programs of several microbatches whose loss is
+        a ratio; else None) and the tensors saved for backward."""
         with torch.autocast(self._device_type, enabled=False):
             out = self._graphs[0](*args)
-        k, m = len(self._updated), len(self.program.outputs)
+        h, k, m = self._heads, len(self._updated), len(self.program.outputs)
         c = int(self.program.returns_count)
         with torch.no_grad():
-            for i, new in zip(self._updated, out[1:1 + k]):
+            for i, new in zip(self._updated, out[h:h + k]):
                 args[i].copy_(new)
-        count = out[1 + k + m] if c else None
-        return out[0], tuple(out[1 + k:1 + k + m]), count, out[1 + k + m + c:]
+        count = out[h + k + m] if c else None
+        heads = tuple(out[:h]) if self.program.activations_out else out[0]
+        return heads, tuple(out[h + k:h + k + m]), count, out[h + k + m + c:]
 
     def backward(self, *args: torch.Tensor):
         with torch.autocast(self._device_type, enabled=False):
