@@ -42,45 +42,39 @@ from autopar.dynamo_graph import BREAK_PREFIX, GraphInputs, GraphStep, graph_key
 from autopar.plan import Plan
 from autopar.runtime.compiled import CompiledStep
 
-INNER = ("eager", "inductor")
-
-
-def backend(mesh: DeviceMesh, *, config: Config | None = None, inner: str = "inductor",
-            seed: int | None = None, cache_dir: str | None = None) -> "Backend":
+def backend(mesh: DeviceMesh, *, config: Config | None = None, seed: int | None = None,
+            cache_dir: str | None = None) -> "Backend":
     """A torch.compile backend that plans, shards and runs a module over `mesh`:
     `torch.compile(model, backend=autopar.backend(mesh))`.
 
-    inner: "inductor" (default) compiles the rank's forward and backward graphs with Inductor (Triton kernels
-           on GPU, C++ on CPU); "eager" runs them as fx graphs.
+    config.inner_compiler: "inductor" (default) compiles the rank's forward and backward graphs with Inductor
+                           (Triton kernels on GPU, C++ on CPU); "eager" runs them as fx graphs.
     config.outputs: "sharded" (default) returns outputs other than the loss as DTensors in their planned layouts
                     (no gather of logits every step); "global" returns full tensors, each output pinned replicated
                     in the plan so the planner prices its gather.
     seed: base seed of dropout masks (default: rank 0's torch.initial_seed()).
     cache_dir: also keep plans on disk, one JSON file per graph, mesh and config, so a new process reuses them.
     Every rank compiles the same model with the same inputs; rank 0 plans and sends the plan to the others."""
-    return Backend(mesh, config=config, inner=inner, seed=seed, cache_dir=cache_dir)
+    return Backend(mesh, config=config, seed=seed, cache_dir=cache_dir)
 
 
 class Backend:
     """Compiles Dynamo graphs (see the module docstring). `stats` counts compiles, plans made and plans reused
     from the cache (keyed by graph, input shapes, mesh and config)."""
 
-    def __init__(self, mesh: DeviceMesh, *, config: Config | None, inner: str, seed: int | None,
-                 cache_dir: str | None):
+    def __init__(self, mesh: DeviceMesh, *, config: Config | None, seed: int | None, cache_dir: str | None):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"autopar.backend needs the job's DeviceMesh (init_device_mesh(..., mesh_dim_names=...)), "
                              f"got {type(mesh).__name__}")
         from autopar.runtime import check_mesh
 
         check_mesh(mesh)
-        if inner not in INNER:
-            raise ValueError(f"inner={inner!r}: use one of {INNER}")
         config = config or Config()
         if config.microbatches not in (None, 1) or config.pipeline is not None or _pipeline_axis(mesh):
             raise ValueError("the torch.compile backend runs plans of one microbatch without pipeline stages for now: "
                              "leave Config.microbatches and Config.pipeline unset and use a mesh without a pp axis, or "
                              "use autopar.parallelize (pm.step) for microbatches and pipelines")
-        self.mesh, self.config, self.inner, self.seed = mesh, config, inner, seed
+        self.mesh, self.config, self.inner, self.seed = mesh, config, config.inner_compiler, seed
         self.cache_dir = cache_dir
         self.stats = {"compiles": 0, "planned": 0, "reused": 0}
         # Per planned graph: seconds to capture, to plan (or check a cached plan) and to generate the Program;
@@ -110,6 +104,7 @@ class Backend:
         self.stats["compiles"] += 1
         graph = GraphInputs.of(gm, list(example_inputs))
         _check_owner(graph, self)
+        _StaleOptimizerCheck.compiled(graph.root)
         step = GraphStep(graph.root, gm, graph, example_inputs)
         key = graph_key(gm, graph, self.mesh, self.config, self.inner)
         # Parameters an earlier graph (or an earlier compile of this one) sharded keep their placements; values
@@ -309,21 +304,33 @@ def _shard_in_place(graph: GraphInputs, program, mesh: DeviceMesh, backend_obj: 
 
 class _StaleOptimizerCheck:
     """Parameters the backend replaced by DTensors; an optimizer that still holds one raises at its first step
-    (it would update a tensor the model no longer reads)."""
+    (it would update a tensor the model no longer reads). So does one that holds DTensor parameters and plain
+    parameters of the same compiled module: no compiled graph read those, as Dynamo ran the code using them
+    eagerly, and torch's fused and foreach paths (clip_grad_norm_, AdamW on GPU) cannot mix the two."""
 
     _old: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
     _fqn: dict[int, str] = {}
     _checked: "weakref.WeakSet" = weakref.WeakSet()
+    _roots: "weakref.WeakSet" = weakref.WeakSet()  # modules a backend compiled
     _hook = None
+
+    @classmethod
+    def compiled(cls, root: nn.Module) -> None:
+        cls._roots.add(root)
+        cls._install()
+
+    @classmethod
+    def _install(cls) -> None:
+        if cls._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            cls._hook = register_optimizer_step_pre_hook(cls._check)
 
     @classmethod
     def replaced(cls, old: torch.Tensor, fqn: str) -> None:
         cls._old[id(old)] = old
         cls._fqn[id(old)] = fqn
-        if cls._hook is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            cls._hook = register_optimizer_step_pre_hook(cls._check)
+        cls._install()
 
     @classmethod
     def _check(cls, opt: torch.optim.Optimizer, args, kwargs) -> None:
@@ -336,6 +343,19 @@ class _StaleOptimizerCheck:
                                      "autopar backend sharded the model (the first call of the compiled module "
                                      "replaced it with a DTensor): make the optimizer after the first call, "
                                      "`opt = torch.optim.AdamW(model.parameters())`, as with FSDP2's fully_shard")
+        held = {id(p) for group in opt.param_groups for p in group["params"]}
+        if any(_sharded_by(p) is not None for group in opt.param_groups for p in group["params"]):
+            for root in list(cls._roots):
+                plain = [n for n, p in root.named_parameters() if id(p) in held and not isinstance(p, DTensor)]
+                if plain:
+                    raise ValueError(
+                        f"the autopar backend sharded this model's parameters but {plain[0]}"
+                        f"{f' and {len(plain) - 1} more' if len(plain) > 1 else ''} stayed plain tensors: no compiled "
+                        "graph read them, as Dynamo ran the code using them eagerly (a graph break inside a loop, "
+                        "such as a print in a layer called from `for layer in self.layers`, makes Dynamo run that "
+                        "whole frame eagerly). Move the graph break out of the loop or remove it "
+                        "(torch._dynamo.explain(model)(*inputs) lists the breaks), so every parameter is read "
+                        "inside a compiled graph")
         cls._checked.add(opt)
 
 

@@ -37,6 +37,7 @@ class SolverConfig:
 # `output` or any `lm_head`) and MoE routers/gates, where FP8's 3-bit mantissa costs accuracy a model feels most.
 DEFAULT_FP8_EXCLUDE = ("*embed*", "output", "lm_head", "*.lm_head", "*router*", "gate", "*.gate")
 OUTPUT_MODES = ("sharded", "global")
+INNER_COMPILERS = ("inductor", "eager")
 FP8_MODES = ("off", "auto", "all")
 FP8_SCALINGS = ("tensorwise", "rowwise")
 
@@ -169,6 +170,9 @@ class Config:
              "sharded" (default) DTensors in their planned layouts (no gather of logits every step); "global"
              full tensors, each output pinned replicated in the plan so the planner prices its gather.
              `parallelize` returns the loss alone and ignores it.
+    inner_compiler: how the torch.compile backend runs each rank's forward and backward graphs: "inductor"
+                    (default) compiles them with Inductor on their first calls (Triton kernels on GPU, C++ on
+                    CPU); "eager" runs them as fx graphs. `parallelize(compile=True)` is its switch there.
     """
 
     device: str | None = None
@@ -186,6 +190,7 @@ class Config:
     pipeline_schedule: str | None = None
     recompute: str = "auto"
     outputs: str = "sharded"
+    inner_compiler: str = "inductor"
     solver: SolverConfig = SolverConfig()
 
     @property
@@ -210,6 +215,9 @@ class Config:
         if self.outputs not in OUTPUT_MODES:
             raise ValueError(f"Config(outputs={self.outputs!r}): use 'sharded' (DTensors in their planned layouts) "
                              "or 'global' (full tensors, gathered as the plan prices it)")
+        if self.inner_compiler not in INNER_COMPILERS:
+            raise ValueError(f"Config(inner_compiler={self.inner_compiler!r}): use 'inductor' (the rank's graphs "
+                             "compiled by Inductor) or 'eager' (run as fx graphs)")
         if self.pipeline not in (None, "auto"):
             raise ValueError(f"Config(pipeline={self.pipeline!r}): use None (stages from a mesh axis named pp, "
                              "pipe or pipeline) or 'auto' (the planner may also factor the outermost mesh axis)")

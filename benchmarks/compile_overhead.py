@@ -78,7 +78,7 @@ def measure(name: str, batch: int, seq: int, steps: int, inner: str) -> dict:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     config = autopar.Config(solver=autopar.SolverConfig(show_progress=False))
-    b = autopar.backend(mesh, config=config, inner=inner)
+    b = autopar.backend(mesh, config=config.with_(inner_compiler=inner))
     step, tokens = _build(name, batch, seq)
     cm = torch.compile(step, backend=b, dynamic=False)
     t0 = time.perf_counter()

@@ -62,7 +62,7 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
         model.model.loss_type = "ForCausalLM"
     step = Step(model, loss_fn)
     mesh = _mesh(shape, names)
-    b = autopar.backend(mesh, config=_config(base, step, inputs, shape, names, kind), inner=inner)
+    b = autopar.backend(mesh, config=_config(base, step, inputs, shape, names, kind).with_(inner_compiler=inner))
     cm = torch.compile(step, backend=b, dynamic=False)
     out = {"losses": []}
     loss, output = cm(*inputs)
@@ -176,6 +176,32 @@ class MLP(nn.Module):
         return F.mse_loss(out, y), out
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h):
+        return F.silu(self.fc(h))
+
+
+class LoopNet(nn.Module):
+    """A graph break inside a loop over blocks: Dynamo runs `forward` eagerly and compiles each Block.forward on
+    its own, so `inp` and `head` (built-in modules called from eager code) are never read by a compiled graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(32, 32), nn.Linear(32, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+            print("a graph break in a loop")
+        return F.mse_loss(self.head(h), y)
+
+
 MEGATRON = {"fc1.*": (Replicate(), Shard(0)), "fc2.weight": (Replicate(), Shard(1))}
 
 
@@ -191,7 +217,7 @@ def _mlp_run(mesh, x, y, steps: int = 2, compile_first: bool = True, **kw) -> di
     ref.load_state_dict(model.state_dict())
     config = autopar.Config(solver=QUIET, pins=MEGATRON, input_placements=kw.pop("input_placements", None),
                             outputs=kw.pop("outputs", "sharded"))
-    b = autopar.backend(mesh, config=config, inner="eager", **kw)
+    b = autopar.backend(mesh, config=config.with_(inner_compiler="eager"), **kw)
     cm = torch.compile(model, backend=b, dynamic=False)
     for _ in range(steps):
         loss, out = cm(x, y)
@@ -246,7 +272,8 @@ def backend_behaviours(tmp: str) -> dict:
     torch.manual_seed(0)
     model = MLP()
     early = torch.optim.SGD(model.parameters(), lr=0.1)
-    b = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", cache_dir=tmp)
+    b = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON, inner_compiler="eager"),
+                        cache_dir=tmp)
     cm = torch.compile(model, backend=b, dynamic=False)
     cm(x, y)[0].backward()
     got["early_optimizer"] = _error(early.step)
@@ -267,13 +294,21 @@ def backend_behaviours(tmp: str) -> dict:
     # (torch._dynamo.reset() also drops the backend's hook that lets Dynamo trace DTensor parameters again; a
     # new backend object installs it.)
     torch._dynamo.reset()
-    b2 = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON), inner="eager", cache_dir=tmp)
+    b2 = autopar.backend(mesh, config=autopar.Config(solver=QUIET, pins=MEGATRON, inner_compiler="eager"),
+                        cache_dir=tmp)
     cm(x, y)
     torch.manual_seed(0)
     torch.compile(MLP(), backend=b2, dynamic=False)(x, y)
     got["cached"] = (dict(b.stats), dict(b2.stats))
 
     # Errors that say what to change.
+    torch._dynamo.reset()
+    loop = LoopNet()
+    cl = torch.compile(loop, backend=autopar.backend(mesh, config=autopar.Config(solver=QUIET, inner_compiler="eager")),
+                       dynamic=False)
+    cl(x, y).backward()
+    got["loop_break"] = (_error(torch.optim.SGD(loop.parameters(), lr=0.1).step),
+                         {n: type(p).__name__ for n, p in loop.named_parameters()})
     other = MLP()
     other.fc1.weight = model.fc1.weight  # a parameter shared with the module the first backend sharded
     got["shared"] = _error(lambda: torch.compile(other, backend=b2, dynamic=False)(x, y))
@@ -310,6 +345,9 @@ def test_backend_behaviours(tmp_path):
                                       "fc2.weight": (Replicate(), Shard(1)), "fc2.bias": (Replicate(), Replicate())}
     assert got["after_first"] == {"compiles": 3, "planned": 3, "reused": 0}
     assert got["cached"][0]["reused"] == 1 and got["cached"][1] == {"compiles": 1, "planned": 0, "reused": 1}
+    msg, types = got["loop_break"]
+    assert types["blocks.0.fc.weight"] == "DTensor" and types["inp.weight"] == "Parameter", types
+    assert "stayed plain tensors" in msg and "inp.weight" in msg and "out of the loop" in msg, msg
     assert "compiled with one backend object" in got["shared"]
     assert "changes its input" in got["in_place"]
     assert "one microbatch without pipeline stages" in got["microbatches"]
