@@ -12,9 +12,11 @@ themselves) and the call's tensors. The parameters are found among the live modu
 their FQN under the root module that holds them all, and a `GraphStep` (autopar/dynamo_graph.py: an
 nn.Module sharing the root's submodules, parameters and buffers, so FQNs, tied weights and repeated layers are
 the root's) runs the graph with them; each node runs under the module path Dynamo recorded, so plan keys read `layers.0.attention/fwd/mm`
-as under `autopar.parallelize`. The graph must return a scalar loss that requires grad (the step autopar
-trains); its other outputs are returned as DTensors in their planned layouts, not differentiated. The
-rank's Program runs as `autopar.runtime.compiled.CompiledStep`.
+as under `autopar.parallelize`. The last graph of a step returns a scalar loss that requires grad (the step
+autopar trains); its other outputs are returned as DTensors in their planned layouts, not differentiated. A
+graph before a graph break returns values that require grad and no loss: it is planned with those values as its
+heads (`autopar.capture.HEADS`), which leave it replicated and whose gradients, computed by the later graphs,
+run its backward. The rank's Program runs as `autopar.runtime.compiled.CompiledStep`.
 
 The parameters are swapped for DTensors inside the backend call, before Dynamo builds its guards, so the
 guards describe the DTensor parameters (`compat.retarget_tensor_guards`) and later calls run the compiled
