@@ -109,13 +109,14 @@ class Backend:
         _StaleOptimizerCheck.compiled(graph.root)
         step = GraphStep(graph.root, gm, graph, example_inputs)
         key = graph_key(gm, graph, self.mesh, self.config, self.inner)
+        same_graph = graph_key(gm, graph, self.mesh, self.config, self.inner, shapes=False)
         # Parameters an earlier graph (or an earlier compile of this one) sharded keep their placements; values
         # crossing a graph break are replicated.
         pins = {fqn: tuple(p.placements) for fqn, p in graph.root.named_parameters() if isinstance(p, DTensor)}
         pins.update({fqn: _replicate(self.mesh) for fqn in graph.crossing.values()})
         # Pins match in order, first wins: these before the user's globs.
         config = self.config.with_(pins={**pins, **dict(self.config.pins or {})}) if pins else self.config
-        program, plan_reused = self._program(step, graph, config, key)
+        program, plan_reused = self._program(step, graph, config, key, same_graph)
         self.stats["reused" if plan_reused else "planned"] += 1
         params, buffers, installs = _shard_in_place(graph, program, self.mesh, self)
         by_fqn = {fqn: i for i, fqn in {**graph.params, **graph.crossing}.items()}
@@ -129,9 +130,11 @@ class Backend:
                             runtime.agree_on_seed(self.seed), self.inner_s, heads=graph.heads)
         return step, installs
 
-    def _program(self, step: "GraphStep", graph: "GraphInputs", config: Config, key: str):
+    def _program(self, step: "GraphStep", graph: "GraphInputs", config: Config, key: str, same_graph: str):
         """This rank's Program of the graph: the plan cached under `key` when there is one (checked against this
-        capture), else rank 0 plans; every rank then runs the same plan."""
+        capture); else the plan of the same graph at other shapes (`same_graph`) when it fits these (its layouts
+        divide them); else rank 0 plans. Every rank then runs the same plan."""
+        from autopar.errors import PlanMismatchError
         from autopar import runtime
         from autopar.codegen.lower import multi_axis_grad_reductions
         from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
@@ -145,12 +148,19 @@ class Backend:
         reject_collectives(comp.captured)
         if self.config.outputs == "global" or graph.heads:  # values handed to the code after a break: full
             _replicate_outputs(comp, self.mesh)
-        cached = self._cached(key)
+        exact = self._cached(key)
+        cached = exact or self._cached(same_graph)
 
         def make() -> Plan:
+            if exact is not None:
+                check_plan(exact, comp)
+                return exact
             if cached is not None:
-                check_plan(cached, comp)
-                return cached
+                try:
+                    check_plan(cached, comp)
+                    return cached
+                except PlanMismatchError:
+                    pass
             return solve(comp)
 
         # Every rank must agree whether the plan was reused, so rank 0 decides (it alone may hold a disk cache).
@@ -158,14 +168,16 @@ class Backend:
         if plan.pipeline is not None or plan.microbatches > 1:
             raise ValueError("the torch.compile backend runs plans of one microbatch without pipeline stages for now; "
                              "use autopar.parallelize for microbatches and pipelines")
+        reused = cached is not None and plan.fingerprint == cached.fingerprint
         self._store(key, plan)
+        self._store(same_graph, plan)
         t2 = time.perf_counter()
         rank = runtime.rank_spec(self.mesh, multi_axis_grad_reductions(plan, comp.captured))
         program = comp.program(rank, plan)
         self.programs.append(program)
         self.timings.append({"capture_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
-                             "reused": cached is not None})
-        return program, cached is not None
+                             "reused": reused})
+        return program, reused
 
     def _cached(self, key: str) -> Plan | None:
         if key in self._plans:

@@ -181,27 +181,33 @@ class _Annotated(fx.Interpreter):
             return super().run_node(n)
 
 
-def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: Config, inner: str) -> str:
+def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: Config, inner: str,
+              shapes: bool = True) -> str:
     """The plan cache's key: the graph's ops and data flow, what each input is (FQN, or the call's k-th tensor)
-    with its shape and dtype, the mesh and the config."""
+    with its shape and dtype, the mesh and the config. With `shapes=False`, the shapes are left out: the key of
+    the same graph at other input shapes, whose plan may fit these (autopar.plan_check decides)."""
     index: dict[fx.Node, int] = {}
     parts = []
+
+    def shape(v: Any) -> Any:
+        return (tuple(v.shape) if isinstance(v, torch.Tensor) else None) if shapes else "-"
+
     for i, n in enumerate(gm.graph.nodes):
         index[n] = i
         if n.op == "placeholder":
             v = n.meta.get("example_value")
-            parts.append(f"in|{i}|{tuple(v.shape) if isinstance(v, torch.Tensor) else None}|{getattr(v, 'dtype', None)}")
+            parts.append(f"in|{i}|{shape(v)}|{getattr(v, 'dtype', None)}")
             continue
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
         target = getattr(n.target, "__qualname__", None) or str(n.target)
         parts.append(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args}")
     for i, x in enumerate(graph.inputs):
-        parts.append(f"input/{i}|{tuple(x.shape)}|{x.dtype}")
+        parts.append(f"input/{i}|{shape(x)}|{x.dtype}")
     parts += [f"crossing/{name}|{pos}" for pos, name in sorted(graph.crossing.items())]  # shapes: placeholders
     root = graph.root
     for pos, fqn in sorted({**graph.params, **graph.buffers}.items()):
         t = root.get_parameter(fqn) if pos in graph.params else root.get_buffer(fqn)
-        parts.append(f"{pos}|{fqn}|{tuple(t.shape)}|{t.dtype}")
+        parts.append(f"{pos}|{fqn}|{shape(t)}|{t.dtype}")
     parts.append(json.dumps([list(mesh.mesh_dim_names), list(mesh.mesh.shape), mesh.device_type,
                              config.to_json(), inner, graph.forward_only, graph.heads], sort_keys=True, default=str))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
