@@ -35,7 +35,7 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
             strats = _placeholder_strategies(ctx, node, key, pins)
         else:
             strats = _op_strategies(ctx, node, sizes)
-        strats = _apply_act_pins(ctx, key, strats)
+        strats = _apply_act_pins(ctx, key, strats, node)
         if ctx.pipeline_axis is not None:  # the pipeline axis splits the model into stages, never a tensor
             strats = [s for s in strats if all(isinstance(lay[ctx.pipeline_axis], Replicate)
                                                for lay in (*s.ins, *s.outs) if lay is not None)]
@@ -158,10 +158,19 @@ def _param_pins(ctx: PassContext) -> dict[str, tuple]:
     return {k: v for k, v in (ctx.config.pins or {}).items() if not k.startswith("act:")}
 
 
-def _apply_act_pins(ctx: PassContext, key: str, strats: list[NodeStrategy]) -> list[NodeStrategy]:
+def _apply_act_pins(ctx: PassContext, key: str, strats: list[NodeStrategy], node: fx.Node) -> list[NodeStrategy]:
+    """Keep the strategies whose first output has the layout the first matching "act:" pin names. A pin
+    written as a glob skips the ops whose output that layout does not divide (a recipe's "every forward matmul
+    on the local batch" meets a matmul without a batch dim); a layout that divides but that no strategy
+    produces is an error."""
     for pattern, lay in (ctx.config.pins or {}).items():
         if pattern.startswith("act:") and fnmatch.fnmatch(key, pattern[4:]):
             lay = _one_rank_replicated(tuple(lay), ctx.mesh.shape)
+            val = node.meta.get("val")
+            val = val[0] if isinstance(val, (list, tuple)) and val else val
+            shape = tuple(int(d) for d in getattr(val, "shape", ()))
+            if any(ch in pattern[4:] for ch in "*?[") and not divides(shape, lay, ctx.mesh.shape):
+                continue
             kept = [s for s in strats if s.outs and s.outs[0] == lay]
             if not kept:
                 raise ValueError(f"pin {pattern!r}: no legal strategy of {key} outputs {fmt_layout(lay)}; "

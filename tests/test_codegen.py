@@ -236,6 +236,25 @@ def test_template_plan_lowers_the_full_depth_graph(shape, axes, coords):
             assert lay == want[".".join(parts)], fqn
 
 
+@pytest.mark.parametrize("kind,dim", [("all_gather", 0), ("all_gather", 1), ("all_reduce", None),
+                                      ("reduce_scatter", 0), ("all_to_all", 0)])
+def test_collectives_read_contiguous_values(kind, dim):
+    """c10d's functional collectives take contiguous tensors (torch 2.11 raises otherwise): a transposed value
+    (a weight's transpose in a Dynamo graph's linear) is copied before it is communicated."""
+    from autopar.codegen.builder import Builder
+    from autopar.redistribute import Step
+
+    b = Builder()
+    x = b.call(torch.ops.aten.transpose.int, (b.placeholder("w", (8, 4), torch.float32), 0, 1), phase="fwd")
+    assert not x.meta["val"].is_contiguous()
+    step = Step(kind, 0, dim=dim, dst_dim=1 if kind == "all_to_all" else None, op="sum")
+    from autopar.codegen.collectives import emit_step
+
+    emit_step(b, x, step, RankSpec.fake(("dp",), (2,), (0,)), "fwd")
+    comm = [n for n in b.graph.nodes if collective_kind(n) is not None and n.args]
+    assert comm and all(n.args[0].meta["val"].is_contiguous() for n in comm), [n.args[0].name for n in comm]
+
+
 def _param_layouts(prog) -> dict[str, tuple]:
     """{parameter FQN: the layout of its local shard} in a generated program."""
     return {p.name: p.layout for p in prog.params}

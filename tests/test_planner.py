@@ -276,6 +276,28 @@ def test_indivisible_axis_excludes_shards_and_bad_pin_is_explained():
                  pins={"layers.0.weight": (Shard(0),)})
 
 
+def test_glob_activation_pin_skips_ops_it_does_not_divide_and_an_exact_one_is_explained():
+    """A recipe's "every forward matmul on the local batch" pin meets a matmul without a batch dim (a table of
+    one row): the glob skips it; the same pin naming that op exactly is an error that lists what is legal."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(1, 8))
+            self.proj, self.mix = nn.Linear(32, 32), nn.Linear(8, 32)
+
+        def forward(self, x):
+            return (self.proj(x) * self.mix(self.table)).sum()  # mix: a [1, 32] matmul, no batch to split
+
+    mesh, x = autopar.fake_mesh(2, "dp"), torch.zeros(8, 32)
+    batch = (Shard(0),)
+    p = autopar.plan(Gate(), mesh, (x,), config=autopar.Config(solver=QUIET, pins={"act:*/fwd/*mm*": batch}))
+    assert p.nodes["proj/fwd/addmm"].outs[0] == batch
+    assert p.nodes["mix/fwd/addmm"].outs[0] != batch
+    with pytest.raises(ValueError, match=r"pin 'act:mix/fwd/addmm': no legal strategy of mix/fwd/addmm outputs S\(0\)"):
+        autopar.plan(Gate(), mesh, (x,), config=autopar.Config(solver=QUIET, pins={"act:mix/fwd/addmm": batch}))
+
+
 def test_model_that_does_not_trace_names_module_and_line():
     class Bad(nn.Module):
         def __init__(self):

@@ -102,6 +102,14 @@ def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Seque
     return tuple(cur) == tuple(dst)
 
 
+def _contiguous(b: Builder, x: fx.Node, phase: str) -> fx.Node:
+    """`x`, or a contiguous copy of it where its local value is a strided view (a transpose)."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return x
+    return b.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, phase=phase)
+
+
 def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "",
               what: str = "") -> fx.Node:
     n = rank.axis_sizes[st.axis]
@@ -117,6 +125,8 @@ def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint
             node.meta[VALUE_META] = what or hint
         return node
 
+    if st.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+        x = _contiguous(b, x, phase)  # c10d's functional collectives take contiguous inputs (torch 2.11 checks)
     if st.kind == "all_gather":
         y = call(c10d.all_gather_into_tensor.default, (x, n, group), name=f"all_gather_{tag}")
         y = call(c10d.wait_tensor.default, (y,), name=f"wait_{tag}")
