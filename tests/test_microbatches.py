@@ -162,6 +162,7 @@ def test_four_microbatches_equal_the_full_padded_batch(kind):
     assert "pm.step" in got["call_error"]
 
 
+@pytest.mark.slow
 def test_weighing_microbatches_equally_fails_on_padded_batches():
     """Negative control: the comparison above catches a step that averages microbatch losses instead of
     normalizing by the global count of counted tokens."""

@@ -189,7 +189,11 @@ SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "Schedu
              "ScheduleZBVZeroBubble"]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+FAST_SCHEDULES = {"Schedule1F1B", "ScheduleZBVZeroBubble"}  # the rest run in `make test`
+
+
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=() if s in FAST_SCHEDULES else pytest.mark.slow)
+                                      for s in SCHEDULES])
 def test_every_schedule_on_two_stages_equals_one_device(schedule):
     results = run_and_check("llama:4", "pp2", schedule, 4)
     split = schedule in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")

@@ -132,6 +132,7 @@ def test_config_rejects_an_unknown_mode():
         Config(recompute="some")
 
 
+@pytest.mark.slow
 def test_plan_records_the_variant_and_round_trips():
     plan = compiled("llama", "full").plan
     rc = plan.recompute["layers"]
@@ -195,6 +196,7 @@ def test_the_solver_recomputes_only_where_memory_binds():
         _tiny_plan(3300)
 
 
+@pytest.mark.slow
 def test_the_models_own_checkpointing_is_recorded_as_full_recomputation():
     from autopar.testing.hf_models import MODELS
 
