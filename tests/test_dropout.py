@@ -237,10 +237,10 @@ def _run(pm, inputs) -> dict:
 
 
 def train_with_dropout(plan: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     rank = torch.distributed.get_rank()
-    mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=NAMES)
+    mesh = cpu_mesh(tuple(SHAPE), tuple(NAMES))
     res = {"coords": tuple(int(c) for c in mesh.get_coordinate())}
     # Each rank's own generator differs: the masks must follow rank 0's seed, sent to every rank.
     for run in ("first", "again"):

@@ -300,9 +300,9 @@ def assert_shards_as_named(name: str, shape, names, kind: str) -> dict:
 
 # --- what the workers run -----------------------------------------------------------------------------------
 def _mesh(shape, names):
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return cpu_mesh(tuple(shape), tuple(names))
 
 
 def _train(pm_or_model, inputs, loss_fn, distributed: bool, after_first_step=None) -> dict:

@@ -155,10 +155,10 @@ def _full(t):
 
 
 def train_parallel(case: str, plan: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     model, inputs, _ = build(case)
-    pm = autopar.parallelize(model, init_device_mesh("cpu", SHAPE, mesh_dim_names=NAMES), inputs,
+    pm = autopar.parallelize(model, cpu_mesh(tuple(SHAPE), tuple(NAMES)), inputs,
                              plan=Plan.from_json(plan))
     prog = pm.program()
     res = _train(pm, inputs, distributed=True)

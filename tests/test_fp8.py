@@ -285,11 +285,11 @@ def _full(t):
 def train_2x2(plan: str) -> dict:
     """On each rank of a (2,2) gloo mesh: STEPS AdamW steps of the FP8 program; then an inf weight under each
     inf/nan policy."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     from autopar.errors import Fp8NonFiniteError
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = cpu_mesh((2, 2), ("dp", "tp"))
     model, tokens = _tiny()
     pm = autopar.parallelize(model, mesh, (tokens,), loss_fn=cross_entropy_loss, plan=Plan.from_json(plan))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=1e-6)
@@ -486,10 +486,10 @@ def _hf_losses(model, inputs, steps: int) -> list[float]:
 
 
 def train_hf_2x2(kind: str, plan: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     model, inputs = _hf_case(kind)
-    pm = autopar.parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), inputs,
+    pm = autopar.parallelize(model, cpu_mesh((2, 2), ("dp", "tp")), inputs,
                              plan=Plan.from_json(plan))
     scaled = sum("_scaled_mm" in str(n.target) for g in (pm.program().forward, pm.program().backward)
                  for n in g.graph.nodes)

@@ -85,10 +85,10 @@ class _CountCollectives(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def train_microbatched(plan: str, mutate: str = "") -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     model, inputs = build()
-    mesh = init_device_mesh("cpu", MESH[0], mesh_dim_names=MESH[1])
+    mesh = cpu_mesh(tuple(MESH[0]), tuple(MESH[1]))
     pm = autopar.parallelize(model, mesh, inputs, loss_fn=lm_loss, plan=Plan.from_json(plan))
     prog = pm.program()
     if mutate == "equal_weights":  # negative control: average the microbatches instead of weighing by count

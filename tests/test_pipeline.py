@@ -100,13 +100,13 @@ def plan_json(name: str, mesh: str, schedule: str | None, microbatches: int | No
 
 # --- what the workers run -----------------------------------------------------------------------------------
 def train_pipelined(name: str, mesh: str, plan: str, mutate: str = "") -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     import autopar.runtime.pipeline as rp
 
     model, args, kwargs, loss_fn = build(name)
     shape, names = MESHES[mesh]
-    pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=names), args,
+    pm = autopar.parallelize(model, cpu_mesh(tuple(shape), tuple(names)), args,
                              example_kwargs=kwargs, loss_fn=loss_fn, plan=Plan.from_json(plan))
     calls = {"input": 0, "weight": 0}
     for runner in pm._pipeline.runners:

@@ -81,12 +81,12 @@ def compiled(name: str, recompute: str):
 def one_step(name: str, plans: dict[str, str]) -> dict:
     """On every rank: per plan, the loss and every full gradient of one step, and what the program saves and
     recomputes."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     out = {}
     for variant, text in plans.items():
         model, inputs, loss_fn = build(name)
-        mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=NAMES)
+        mesh = cpu_mesh(tuple(SHAPE), tuple(NAMES))
         pm = autopar.parallelize(model, mesh, inputs, loss_fn=loss_fn, plan=Plan.from_json(text), seed=0)
         loss = pm(*inputs)
         loss.backward()

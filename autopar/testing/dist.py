@@ -16,6 +16,7 @@ about the program. Workers print a Python stack on such a crash (faulthandler) f
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import socket
 import time
@@ -226,6 +227,16 @@ def _signal_name(n: int) -> str:
         return f"{signal.Signals(n).name} ({n})"
     except ValueError:
         return str(n)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """The worker's DeviceMesh of `shape` over its gloo group, one per (shape, names) in the process: every
+    init_device_mesh creates gloo subgroups, whose polling threads would pile up over a session of tests (a
+    worker had 474 threads by mid-suite) and slow every later test."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
 
 
 def get_pool(world_size: int, **kwargs: Any) -> WorkerPool:

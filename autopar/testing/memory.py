@@ -29,14 +29,14 @@ def measure_plan_step(build: Callable[[], tuple], plan_json: str, lr: float = 1e
     """On every rank of a gloo pool (autopar.testing.dist): parallelize `build()`'s (model, inputs, loss_fn)
     under the plan, run a warm-up step of AdamW, and measure the next step (`measure_step`)."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.testing.dist import cpu_mesh
 
     import autopar
     from autopar.plan import Plan
 
     plan = Plan.from_json(plan_json)
     model, inputs, loss_fn = build()
-    mesh = init_device_mesh("cpu", tuple(plan.mesh.shape), mesh_dim_names=tuple(plan.mesh.axis_names))
+    mesh = cpu_mesh(tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
     pm = autopar.parallelize(model, mesh, inputs, loss_fn=loss_fn, plan=plan, seed=0)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
 
