@@ -134,10 +134,10 @@ class Backend:
         """This rank's Program of the graph: the plan cached under `key` when there is one (checked against this
         capture); else the plan of the same graph at other shapes (`same_graph`) when it fits these (its layouts
         divide them); else rank 0 plans. Every rank then runs the same plan."""
-        from autopar.errors import PlanMismatchError
         from autopar import runtime
         from autopar.codegen.lower import multi_axis_grad_reductions
         from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
+        from autopar.errors import PlanMismatchError
         from autopar.plan_check import check_plan
 
         t0 = time.perf_counter()
