@@ -3,7 +3,7 @@ planning, codegen and the inner compiler; the recompile of the same graph with t
 step time of the compiled module against `autopar.parallelize()` under the same plan, on 4 gloo CPU processes.
 
 Usage (from the repo root): python benchmarks/compile_overhead.py [--model llama-small] [--batch 8] [--seq 32]
-                                   [--steps 10] [--inner eager,inductor]
+                                   [--steps 10] [--inner eager,inductor] [--graph-break]
 
 Every figure is rank 0's. First compile: the first call's forward and backward (Dynamo traces the module and
 calls the backend; the backend captures, plans (rank 0, sent to the others), generates this rank's Program and
@@ -12,7 +12,8 @@ Dynamo's share is the first forward's wall time less the backend's and less a wa
 copy of the model compiled with the same backend object (Dynamo's caches reset), whose graph, shapes, mesh and
 config match: the cached plan is checked and reused, so only capture and codegen are paid. Step: forward +
 backward + AdamW, the median of `--steps` steps after 3 warm-up steps, each between barriers, the compiled
-module's and parallelize()'s steps alternating.
+module's and parallelize()'s steps alternating. `--graph-break`: instead, the step time of the model compiled
+with a graph break before its final norm against the same model compiled whole.
 """
 from __future__ import annotations
 
@@ -119,6 +120,38 @@ def measure(name: str, batch: int, seq: int, steps: int, inner: str) -> dict:
     return out
 
 
+def measure_break(name: str, batch: int, seq: int, steps: int) -> dict:
+    """What a graph break costs: the same model compiled twice with the eager inner compiler, once as one
+    graph and once with a graph break before its final norm (Dynamo then hands over several graphs, each
+    planned on its own, the values crossing the break replicated); their step times alternating."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    config = autopar.Config(solver=autopar.SolverConfig(show_progress=False), inner_compiler="eager")
+    engines, out = [], {}
+    torch._dynamo.reset()  # once: a reset would drop the first module's compiled code and its backend's hook
+    for broken in (False, True):
+        b = autopar.backend(mesh, config=config)
+        step, tokens = _build(name, batch, seq)
+        if broken:
+            norm = step.model.norm
+            forward = norm.forward
+            norm.forward = lambda x, forward=forward: (torch._dynamo.graph_break(), forward(x))[1]
+        cm = torch.compile(step, backend=b, dynamic=False)
+        t0 = time.perf_counter()
+        cm(tokens).backward()
+        key = "break" if broken else "whole"
+        out[f"{key}_first_call_s"] = time.perf_counter() - t0
+        out[f"{key}_graphs_planned"] = b.stats["planned"]
+        engines.append((lambda cm=cm, tokens=tokens: cm(tokens), list(step.parameters())))
+    whole_s, break_s = _steps(engines, steps)
+    out.update(whole_step_s=whole_s, break_step_s=break_s)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-small")
@@ -126,11 +159,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--inner", default="eager,inductor")
+    ap.add_argument("--graph-break", action="store_true",
+                    help="instead: the step time of the model compiled with a graph break against without one")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from autopar.testing.dist import get_pool
 
     pool = get_pool(4)
+    if args.graph_break:
+        res = pool.run(measure_break, args.model, args.batch, args.seq, args.steps, timeout=1800)[0]
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))
+        return
     for inner in args.inner.split(","):
         res = pool.run(measure, args.model, args.batch, args.seq, args.steps, inner, timeout=1800)[0]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))
