@@ -246,6 +246,47 @@ def test_linked_selectors_solve_exactly(backend):
     assert checked >= 10  # most draws are feasible: the test exercises the solve, not only the verdict
 
 
+def _grouped_problem(rng: random.Random) -> IlpProblem:
+    """One value (key "u", 3 output layouts) read by three keys in one phase: a shared redistribution group that
+    pays each destination layout once, from the source layout, whatever the number of readers; plus an ungrouped
+    edge and a memory row over the readers."""
+    us = lambda hi=1000: rng.randint(0, hi) * 1e-6
+    n = {"u": 3, "v1": 3, "v2": 3, "v3": 2, "w": 2}
+    compute = {k: [us(300) for _ in range(m)] for k, m in n.items()}
+    cost = [[0.0 if a == b else us() for b in range(3)] for a in range(3)]
+    edges = [IlpEdge("u", k, [0, 1, 2], list(range(n[k])), cost, group=0) for k in ("v1", "v2", "v3")]
+    edges.append(IlpEdge("v1", "w", [0, 1, 2], [0, 1], [[us(), 0.0], [0.0, us()], [us(), us()]]))
+    mib = lambda: rng.randint(1, 4) * 2**20
+    memory = MemoryRows({k: [mib() for _ in range(n[k])] for k in ("v1", "v2", "v3")}, [], [{}])
+    return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory,
+                      memory_limit=rng.choice([None, rng.uniform(5, 10) * 2**20]))
+
+
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_shared_redistributions_are_priced_once_per_destination_layout(backend):
+    """The program's optimum equals exhaustive enumeration of IlpProblem.objective (which pays each (source,
+    destination) layout of a group once) on random grouped programs, and the relaxation's bound stays below it."""
+    from autopar.solver import solve_bounded
+
+    rng, checked = random.Random(1), 0
+    for _ in range(20):
+        p = _grouped_problem(rng)
+        keys = sorted(p.n_strategies)
+        fits = [c for c in (dict(zip(keys, v)) for v in itertools.product(*(range(p.n_strategies[k]) for k in keys)))
+                if p.fits(c)]
+        if not fits:
+            continue
+        best = min(p.objective(c) for c in fits)
+        r = solve(p, backend=backend)
+        assert p.fits(r.choice) and r.objective_s == pytest.approx(best, rel=1e-6, abs=1e-12)
+        assert p.objective(r.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
+        fast = solve_bounded(p, backend=backend, deadline=None, relative_gap=0.0).result
+        assert p.objective(fast.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
+        assert fast.bound_s <= best * (1 + 1e-6)
+        checked += 1
+    assert checked >= 15
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
 def test_backends_raise_the_same_errors(backend):

@@ -71,12 +71,18 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # costly axis, free of them.
     waits = p.waits(out.result.choice)
     costly = sorted((ax for ax, w in waits.items() if w > _WAITS * out.result.objective_s), key=lambda ax: -waits[ax])
-    # (Solved whole: restricted to the strategies of the main warm start, the quiet plans come out slower.)
+    # (Solved whole: restricted to the strategies of the main warm start, the quiet plans come out slower.) One
+    # whose relaxation bound is above the plan's time with its expected waits cannot be faster: it is not solved.
+    cutoff = out.result.objective_s + sum(waits.values())
     for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
         try:
-            r = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress).result
+            r = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress,
+                       cutoff=cutoff)
         except (ProgramInfeasible, SolverTimeout):
             continue
+        if r is None:
+            continue
+        r = r.result
         # Its own bound holds only where the axes are quiet: the whole program's bound is the one to report.
         bound = min(r.bound_s, out.result.bound_s)
         out.alternatives.append(dataclasses.replace(
@@ -86,7 +92,8 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
 
 
 def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float | None,
-           on_progress: Callable[[str], None] | None) -> Bounded:
+           on_progress: Callable[[str], None] | None, cutoff: float | None = None) -> Bounded | None:
+    """The plan by the path above; None when the relaxation's bound is at least `cutoff` seconds."""
     from autopar.solver.highs import relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
@@ -97,6 +104,8 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         raise _timeout(e, seen) from None
     prices = size.pop("memory_prices", [])
     timings["relaxation_seconds"] = time.perf_counter() - t
+    if cutoff is not None and lb >= cutoff:
+        return None
     binding = p.memory is not None and p.memory_limit is not None and p.memory.peak(
         {k: {i: w for i, w in enumerate(v) if w > _SUPPORT} for k, v in x.items()}) >= p.memory_limit * (1 - 1e-9)
     if all(max(v) > 1 - _SUPPORT for v in x.values()):

@@ -1,5 +1,6 @@
-"""The CP-SAT backend: the same program with every variable boolean, integer nanosecond costs and integer byte
-memory rows (rounded up, so a CP-SAT plan never exceeds the limit by rounding)."""
+"""The CP-SAT backend: the same program with every variable boolean (but the timed columns, integer nanoseconds),
+integer nanosecond costs and integer byte memory rows (rounded up, so a CP-SAT plan never exceeds the limit by
+rounding)."""
 from __future__ import annotations
 
 import math
@@ -19,9 +20,18 @@ def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: di
     t0 = time.perf_counter()
     prog = build_program(p)
     m = cp_model.CpModel()
-    v = [m.NewBoolVar(f"v{i}") for i in range(prog.n_cols)]
+    unit = SECONDS_PER_CPSAT_TIME_UNIT
+    # A timed column is an integer count of nanoseconds; its rows' other coefficients are costs, in nanoseconds
+    # rounded as the objective's are.
+    top = {}
+    for _, _, row in prog.rows:
+        for col in prog.timed.intersection(row):
+            top[col] = max(top.get(col, 0), sum(abs(round(c / unit)) for c2, c in row.items() if c2 != col))
+    v = [m.NewIntVar(0, top.get(i, 0), f"t{i}") if i in prog.timed else m.NewBoolVar(f"v{i}")
+         for i in range(prog.n_cols)]
     for lo, hi, row in prog.rows:
-        expr = sum(int(c) * v[col] for col, c in row.items())
+        timed = prog.timed.intersection(row)
+        expr = sum((int(c) if not timed or col in timed else round(c / unit)) * v[col] for col, c in row.items())
         if lo == hi:
             m.Add(expr == int(lo))
         elif math.isinf(hi):
@@ -41,8 +51,8 @@ def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: di
         if prog.memory_limit is not None:
             for expr in mem_rows:
                 m.Add(expr <= int(prog.memory_limit // BYTES_PER_CPSAT_MEMORY_UNIT))
-        unit = SECONDS_PER_CPSAT_TIME_UNIT
-        m.Minimize(sum(round(c / unit) * v[i] for i, c in enumerate(prog.cost) if round(c / unit)))
+        m.Minimize(sum((round(c) if i in prog.timed else round(c / unit)) * v[i] for i, c in enumerate(prog.cost)
+                       if round(c if i in prog.timed else c / unit)))
     if hint is not None:
         for k, cols in prog.x.items():
             for i, col in enumerate(cols):

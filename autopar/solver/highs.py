@@ -113,10 +113,14 @@ def _check(res) -> dict[int, float]:
 def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     """The program as a proto; with objective 'peak', one more column bounds every memory row and is minimized."""
     cols_lb = [0.0] * prog.n_cols
-    cols_ub = [1.0] * prog.n_cols
+    cols_ub = [_INF if c in prog.timed else 1.0 for c in range(prog.n_cols)]
     integer = list(prog.integer)
-    cost = [c / SECONDS_PER_HIGHS_TIME_UNIT for c in prog.cost] if objective == "time" else [0.0] * prog.n_cols
-    rows = [(lo, hi, dict(r)) for lo, hi, r in prog.rows]
+    # A timed column holds milliseconds here (seconds in the Program): its rows' other coefficients are costs.
+    tu = SECONDS_PER_HIGHS_TIME_UNIT
+    cost = [(c if i in prog.timed else c / tu) for i, c in enumerate(prog.cost)] if objective == "time" \
+        else [0.0] * prog.n_cols
+    rows = [(lo, hi, {c: (v if c in prog.timed else v / tu) for c, v in r.items()} if prog.timed.intersection(r)
+             else dict(r)) for lo, hi, r in prog.rows]
     peak_col = None
     if prog.static or prog.terms:
         u = BYTES_PER_HIGHS_MEMORY_UNIT

@@ -12,7 +12,9 @@ from autopar.solver.ilp import IlpEdge, IlpLink, IlpProblem
 
 @dataclasses.dataclass
 class Program:
-    """min cost . v  subject to  lo <= A v <= hi,  v in [0, 1] (x integer; y, z integral once x is)."""
+    """min cost . v  subject to  lo <= A v <= hi,  v in [0, 1] (x integer; y integral once x is), except the
+    `timed` columns: seconds >= 0, one per (shared redistribution, destination layout), whose rows hold costs
+    in seconds rather than 0/1 quantities."""
 
     x: dict[str, list[int]]  # key -> column of each strategy's boolean
     n_cols: int
@@ -26,6 +28,7 @@ class Program:
     points: list[dict[int, float]] = dataclasses.field(default_factory=list)
     n_edge_vars: int = 0
     links: dict[tuple[str, str], list[list[int]]] = dataclasses.field(default_factory=dict)  # y[s][r] columns
+    timed: set[int] = dataclasses.field(default_factory=set)
 
     def column(self, integer: bool = False, cost: float = 0.0) -> int:
         self.integer.append(integer)
@@ -70,22 +73,30 @@ def _edge(prog: Program, e: IlpEdge, shared: dict[tuple, int]) -> None:
     if all(c == 0 for row in e.cost for c in row):
         return
     indicators = _pair_indicators(prog, e)
-    for (a, b), ind in indicators.items():
-        c = float(e.cost[a][b])
-        if e.group is None:
+    if e.group is None:
+        for (a, b), ind in indicators.items():
+            c = float(e.cost[a][b])
             for col, coef in ind.items():
                 prog.cost[col] += coef * c
-            continue
-        if not c:
-            continue
-        z = shared.get((e.group, a, b))
-        if z is None:
-            z = shared[(e.group, a, b)] = prog.column(False, c)
+        return
+    # A shared redistribution pays each destination layout once, at the price from the value's source layout:
+    # w[g,b] >= sum_a c[a,b] I_e(a,b) for each edge e of the group (seconds). One row per (edge, destination)
+    # rather than per (edge, source, destination) pair keeps the relaxation small; once x is integral only the
+    # source layout a chosen is 1, so w[g,b] is c[a,b] when some edge reads b and 0 otherwise.
+    rows: dict[int, dict[int, float]] = {}
+    for (a, b), ind in indicators.items():
+        c = float(e.cost[a][b])
+        if c:
+            row = rows.setdefault(b, {})
+            for col, coef in ind.items():
+                row[col] = row.get(col, 0.0) - coef * c
+    for b, row in rows.items():
+        w = shared.get((e.group, b))
+        if w is None:
+            w = shared[(e.group, b)] = prog.column(False, 1.0)
+            prog.timed.add(w)
             prog.n_edge_vars += 1
-        # z >= indicator of (a, b) on this edge: the group pays c once if any of its edges uses (a, b).
-        row = {z: 1.0}
-        for col, coef in ind.items():
-            row[col] = row.get(col, 0.0) - coef
+        row[w] = 1.0
         prog.rows.append((0.0, float("inf"), row))
 
 
