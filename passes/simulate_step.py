@@ -66,6 +66,27 @@ def simulate(ctx: PassContext) -> Simulation:
     deferred: list[tuple] = []
     rerun: set[fx.Node] = set()
 
+    def _recompute_moves(again: list[fx.Node], start: float) -> float:
+        """A recomputed region runs again with its collectives (codegen): the layout changes of the activations
+        its ops read, once per value and layout, ready before it computes. Parameters are gathered for the
+        backward in any case."""
+        done = start
+        for n in again:
+            strat, info, scale = ctx.chosen(ctx.key[n]), op_info(n), _scale(ctx, n)[1]
+            args = [a for a in flat_tensor_args(n.args, n.kwargs)
+                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            for i, a in enumerate(args):
+                u = producer(a)[0]
+                if u.op == "placeholder" or u in ctx.param_derived:
+                    continue
+                dtype = compute_dtype(info.inputs[i].dtype, ctx)
+                key = (a, tuple(strat.ins[i]), dtype, "recompute")
+                if key not in moved:
+                    moved[key] = comm(info.inputs[i].shape, dtype, _out_layout(ctx, a), strat.ins[i], start, scale,
+                                      f"recompute {ctx.captured.names[n]}")
+                done = max(done, moved[key])
+        return done
+
     def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
         nonlocal total_comm
         flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)) if bucketed else None
@@ -131,7 +152,7 @@ def simulate(ctx: PassContext) -> Simulation:
             again = _to_recompute(ctx, node, rerun)
             if again:
                 t = sum(_duration(ctx, n) for n in again)
-                begin = max(compute_free, t_in)
+                begin = max(compute_free, t_in, _recompute_moves(again, max(compute_free, t_in)))
                 compute_free = begin + t
                 total_compute += t
                 node_time["recompute"] += t

@@ -41,7 +41,8 @@ def build_problem(ctx: PassContext, memory_limit: float | None,
             compute[root][i] += m * ctx.compute_cost[key][j]
     edges = []
     exposed = _exposed_grad(ctx)
-    for e, c, group in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges)):
+    rerun = _rerun_shares(ctx, recompute_variants.fractions(ctx, ctx.recomputed))
+    for e, c, group, again in zip(ctx.edges, ctx.edge_cost, ctx.edge_groups or [None] * len(ctx.edges), rerun):
         src, smap = _root(ctx, e.src)
         src_index = c.src_index if smap is None else [c.src_index[j] for j in smap]
         cost = [[m * v for v in row] for row in c.cost] if m > 1 else c.cost
@@ -57,6 +58,8 @@ def build_problem(ctx: PassContext, memory_limit: float | None,
             grad_cost, layered = exposed(e, c)
             edges.append(IlpEdge(src, dst, src_index, dst_index, grad_cost, axis_cost=c.axis_cost, layered=layered))
         else:
+            if again:  # a recomputed region redistributes the activations it reads again (codegen)
+                cost = [[(1 + again) * v for v in row] for row in cost]
             edges.append(IlpEdge(src, dst, src_index, dst_index, cost, group, contends=_contends(ctx, e, c)))
     # Recomputed forward ops (ctx.recomputed: the variants of this solve, passes/recompute_variants.py) run again
     # before their backward: their forward time on the local shapes of each strategy.
@@ -64,15 +67,32 @@ def build_problem(ctx: PassContext, memory_limit: float | None,
         root, idx = _root(ctx, key)
         for i in range(len(compute[root])):
             compute[root][i] += m * share * ctx.compute_cost[key][i if idx is None else idx[i]]
-    links = _recompute_links(ctx, joint, n, compute) if joint is not None else []
+    links = _recompute_links(ctx, joint, n, compute, edges) if joint is not None else []
     sc = ctx.config.solver
     return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit, joint),
                       memory_limit=memory_limit, links=links, seed=sc.seed, workers=sc.workers)
 
 
-def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict, compute: dict) -> list[IlpLink]:
+def _rerun_shares(ctx: PassContext, share: dict[str, float]) -> list[float]:
+    """Per edge, the share of its redistributions a recomputed region runs again: an activation read by a
+    recomputed forward op is redistributed again before backward recomputes it (once per group of reads that
+    share one redistribution, at the largest share among them). Parameters are gathered for the backward in
+    any case."""
+    out = [share.get(e.dst, 0.0) if e.kind == "activation" else 0.0 for e in ctx.edges]
+    top: dict[int, float] = {}
+    for g, f in zip(ctx.edge_groups or [None] * len(ctx.edges), out):
+        if g is not None:
+            top[g] = max(top.get(g, 0.0), f)
+    return [top[g] if g is not None else f for g, f in zip(ctx.edge_groups or [None] * len(ctx.edges), out)]
+
+
+def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict, compute: dict,
+                     edges: list[IlpEdge]) -> list[IlpLink]:
     """A selector key per decided stack (one strategy per variant, no cost of its own) and a link from every
-    root key its variant changes: the seconds recomputation adds per (strategy, variant) pair."""
+    root key its variant changes: the seconds recomputation adds per (strategy, variant) pair. That includes
+    the activations its recomputed ops redistribute again, whose price depends on both ends of the edge: the
+    link holds the least it can be from the end it is attached to (the producer's output layout when the
+    producer is in the stack, else the reader's input layout), a lower bound the step simulator makes exact."""
     m, V = ctx.microbatches, len(VARIANTS)
     for s in joint.stacks:
         n[recompute_variants.SELECTOR + s] = V
@@ -91,6 +111,25 @@ def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict,
             if extra:
                 for i in range(n[root]):
                     rows[i][r] += m * extra * ctx.compute_cost[key][i if idx is None else idx[i]]
+    base = _rerun_shares(ctx, joint.share[(joint.stacks[0], "keep")])
+    for s in joint.stacks:
+        sel = recompute_variants.SELECTOR + s
+        for r, v in enumerate(VARIANTS):
+            seen: set[int] = set()  # a group's redistribution runs again once
+            for ie, f0, f in zip(edges, base, _rerun_shares(ctx, joint.share[(s, v)])):
+                if f <= f0 or ie.dst is None or ie.group in seen:
+                    continue
+                if ie.group is not None:
+                    seen.add(ie.group)
+                c = [[(f - f0) * x / (1 + f0) for x in row] for row in ie.cost]  # ie.cost holds (1 + f0) already
+                if (ie.src, sel) in cost:
+                    add = [min(c[ie.src_index[i]]) for i in range(n[ie.src])]
+                    rows = cost[(ie.src, sel)]
+                else:
+                    rows = cost.setdefault((ie.dst, sel), [[0.0] * len(VARIANTS) for _ in range(n[ie.dst])])
+                    add = [min(c[a][ie.dst_index[t]] for a in range(len(c))) for t in range(n[ie.dst])]
+                for i, x in enumerate(add):
+                    rows[i][r] += x
     return [IlpLink(k, sel, c) for (k, sel), c in sorted(cost.items())]
 
 

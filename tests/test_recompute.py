@@ -102,17 +102,22 @@ def one_step(name: str, plans: dict[str, str]) -> dict:
 @pytest.mark.slow  # 16-22 s each on 4 gloo processes: make test only, so the fast tier stays under 3 minutes
 @pytest.mark.parametrize("name", ["llama", "hf_llama_dropout"])
 def test_recomputed_step_equals_kept_step_bitwise(name):
+    """Each recomputing plan against the same placements keeping every activation (the plan with its variant
+    set to keep): recomputation pays for its redistributions, so the solver may place activations differently
+    than it would without it, and the comparison holds placements fixed."""
     pool = get_pool(4)
-    plans = {v: compiled(name, v).plan for v in ("off", "selective", "full")}
-    assert [d["variant"] for d in plans["off"].recompute.values()] == ["keep"]
-    for v in ("selective", "full"):
-        assert "ac" in plans[v].techniques and plans[v].recomputed_stacks(), plans[v].recompute
-        assert any(isinstance(p, Shard) for lay in plans[v].params.values() for p in lay[1:]), "no tensor parallelism"
-    results = pool.run(one_step, name, {v: p.to_json() for v, p in plans.items()})
+    plans = {v: compiled(name, v).plan for v in ("selective", "full")}
+    texts = {}
+    for v, p in plans.items():
+        assert "ac" in p.techniques and p.recomputed_stacks(), p.recompute
+        assert any(isinstance(x, Shard) for lay in p.params.values() for x in lay[1:]), "no tensor parallelism"
+        texts[v] = p.to_json()
+        texts[f"{v}/keep"] = texts[v].replace(f'"variant": "{v}"', '"variant": "keep"')
+        assert Plan.from_json(texts[f"{v}/keep"]).recomputed_stacks() == []
+    results = pool.run(one_step, name, texts)
     for rank, res in enumerate(results):
-        kept = res["off"]
         for v in ("selective", "full"):
-            got = res[v]
+            got, kept = res[v], res[f"{v}/keep"]
             # The programs differ as the plans say: fewer saved tensors, more recomputed values.
             assert got["saved"] < kept["saved"] and got["recomputed"] > kept["recomputed"], (v, got, kept)
             assert torch.equal(got["loss"], kept["loss"]), (rank, v, got["loss"], kept["loss"])
@@ -166,6 +171,27 @@ def test_recomputing_costs_time_and_saves_activation_memory():
     assert act[0] > act[1] > act[2], act
     assert off.estimated_step_time < sel.estimated_step_time < full.estimated_step_time
     assert 0 < sel.recompute["layers"]["time_s"] < full.recompute["layers"]["time_s"]
+
+
+@pytest.mark.slow
+def test_recomputed_regions_redistribute_again_and_both_models_price_it():
+    """Codegen runs a recomputed region again with its collectives (the Megatron layers' all-reduces of partial
+    sums): the step simulator schedules them again, and the integer program charges exactly as much."""
+    from autopar.passes import solve_placements as sp
+
+    ctx = compiled("llama", "full").ctx
+    again = [e - b for lane, label, b, e in ctx.simulation.timeline
+             if lane.startswith("comm:") and label.startswith("recompute ")]
+    assert again and sum(again) > 0
+    choice = {k: ctx.choice[k] for k in sp.build_problem(ctx, None).n_strategies}
+    priced = sp.build_problem(ctx, None).objective(choice)
+    unpriced = sp._rerun_shares
+    try:
+        sp._rerun_shares = lambda ctx, share: [0.0] * len(ctx.edges)
+        without = sp.build_problem(ctx, None).objective(choice)
+    finally:
+        sp._rerun_shares = unpriced
+    assert priced - without == pytest.approx(sum(again), rel=1e-6)
 
 
 def _tiny_plan(limit_kib: float | None, recompute: str = "auto") -> Plan:
