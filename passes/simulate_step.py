@@ -66,7 +66,7 @@ def simulate(ctx: PassContext) -> Simulation:
     deferred: list[tuple] = []
     rerun: set[fx.Node] = set()
 
-    def _recompute_moves(again: list[fx.Node], start: float) -> float:
+    def recompute_moves(again: list[fx.Node], start: float) -> float:
         """A recomputed region runs again with its collectives (codegen): the layout changes of the activations
         its ops read, once per value and layout, ready before it computes. Parameters are gathered for the
         backward in any case."""
@@ -152,7 +152,7 @@ def simulate(ctx: PassContext) -> Simulation:
             again = _to_recompute(ctx, node, rerun)
             if again:
                 t = sum(_duration(ctx, n) for n in again)
-                begin = max(compute_free, t_in, _recompute_moves(again, max(compute_free, t_in)))
+                begin = max(compute_free, t_in, recompute_moves(again, max(compute_free, t_in)))
                 compute_free = begin + t
                 total_compute += t
                 node_time["recompute"] += t

@@ -9,8 +9,9 @@ cost c_e[a,b] adds variables y[e,a,b] in [0,1] tied to x by transportation const
 so y[e,a,b] = 1 exactly when u outputs a and v wants b (integral once x is). Edges whose cost depends on one
 side only, or whose two ends share a key, are linear in x and need no y. A shared redistribution (one value
 consumed in one layout by several ops, redistributed once) gets a column w[g,b] of seconds per destination
-layout b, w[g,b] >= sum_a c_g[a,b] y[e,a,b] for each of its edges e, and is priced on w. A gradient reduction's cost is the time it stays exposed after overlapping the backward
-(built by passes/solve_placements.py). The objective is
+layout b, w[g,b] >= sum_a c_g[a,b] y[e,a,b] for each of its edges e, and is priced on w. A gradient
+reduction's cost is the time it stays exposed after overlapping the backward (built by
+passes/solve_placements.py). The objective is
 
     min  sum_{k,s} compute[k,s] x[k,s]  +  sum_{e,a,b} c_e[a,b] y[e,a,b]  +  sum_{g,b} w[g,b]
 
