@@ -79,11 +79,12 @@ def _rerun_shares(ctx: PassContext, share: dict[str, float]) -> list[float]:
     share one redistribution, at the largest share among them). Parameters are gathered for the backward in
     any case."""
     out = [share.get(e.dst, 0.0) if e.kind == "activation" else 0.0 for e in ctx.edges]
+    groups = ctx.edge_groups or [None] * len(ctx.edges)
     top: dict[int, float] = {}
-    for g, f in zip(ctx.edge_groups or [None] * len(ctx.edges), out):
+    for g, f in zip(groups, out):
         if g is not None:
             top[g] = max(top.get(g, 0.0), f)
-    return [top[g] if g is not None else f for g, f in zip(ctx.edge_groups or [None] * len(ctx.edges), out)]
+    return [f if g is None else top[g] for g, f in zip(groups, out)]
 
 
 def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict, compute: dict,

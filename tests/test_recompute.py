@@ -183,8 +183,9 @@ def test_recomputed_regions_redistribute_again_and_both_models_price_it():
     again = [e - b for lane, label, b, e in ctx.simulation.timeline
              if lane.startswith("comm:") and label.startswith("recompute ")]
     assert again and sum(again) > 0
-    choice = {k: ctx.choice[k] for k in sp.build_problem(ctx, None).n_strategies}
-    priced = sp.build_problem(ctx, None).objective(choice)
+    problem = sp.build_problem(ctx, None)
+    choice = {k: ctx.choice[k] for k in problem.n_strategies}
+    priced = problem.objective(choice)
     unpriced = sp._rerun_shares
     try:
         sp._rerun_shares = lambda ctx, share: [0.0] * len(ctx.edges)
