@@ -111,6 +111,13 @@ def resolve_fp8(fp8: "str | Fp8Config | None") -> Fp8Config:
 RECOMPUTE_MODES = ("auto", "off", "selective", "full")
 
 
+def _partial_recompute(mode) -> bool:
+    """Whether `mode` is "full/r" or "full/r/selective" with r a positive integer."""
+    parts = mode.split("/") if isinstance(mode, str) else []
+    return (len(parts) in (2, 3) and parts[0] == "full" and parts[1].isdigit() and int(parts[1]) > 0
+            and parts[2:] in ([], ["selective"]))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How to plan. Every field left as None is inferred from the mesh and the device.
@@ -163,7 +170,10 @@ class Config:
                activations for backward, recompute the cheap memory-heavy ops ("selective": norms, activation
                functions, attention internals; matmul and fused-attention outputs are kept) or recompute the
                whole layer from its input ("full"), pricing the recompute time on the local shapes and counting
-               the saved bytes in the memory rows. "off": never; "selective" / "full": every layer stack so.
+               the saved bytes in the memory rows; or, in between, the first r layers in full and the others
+               keeping ("full/r") or selective ("full/r/selective"), r about a quarter, half or three quarters of
+               the stack. "off": never; "selective" / "full": every layer stack so; "full/r" and
+               "full/r/selective": every stack so, with that r (Megatron's recompute_num_layers).
                Layers the model checkpoints itself (torch.utils.checkpoint, transformers'
                gradient_checkpointing_enable) are recomputed in full whatever this says.
     outputs: what the torch.compile backend (autopar.backend) returns for a graph's outputs other than the loss:
@@ -209,9 +219,10 @@ class Config:
             if self.pipeline_schedule not in SCHEDULES:
                 raise ValueError(f"Config(pipeline_schedule={self.pipeline_schedule!r}): use one of "
                                  f"{', '.join(SCHEDULES)}, or None for the planner's choice")
-        if self.recompute not in RECOMPUTE_MODES:
+        if self.recompute not in RECOMPUTE_MODES and not _partial_recompute(self.recompute):
             raise ValueError(f"Config(recompute={self.recompute!r}): use 'auto' (the planner decides per layer "
-                             "stack), 'off', 'selective' or 'full'")
+                             "stack), 'off', 'selective', 'full', or 'full/r' / 'full/r/selective' (the first r "
+                             "layers of each stack in full, the others keeping or selective)")
         if self.outputs not in OUTPUT_MODES:
             raise ValueError(f"Config(outputs={self.outputs!r}): use 'sharded' (DTensors in their planned layouts) "
                              "or 'global' (full tensors, gathered as the plan prices it)")

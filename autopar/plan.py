@@ -185,7 +185,9 @@ class Plan:
     pipeline: PipelinePlan | None = None
     # Activation recomputation per repeated layer stack (autopar/recompute.py): prefix -> {"variant": "keep",
     # "selective" or "full", "by": "solver", "config" or "model" (the model checkpoints it itself), "time_s":
-    # seconds per step the recomputation adds, "saved_bytes": activation bytes per rank it saves at the peak}.
+    # seconds per step the recomputation adds, "saved_bytes": activation bytes per rank it saves at the peak,
+    # and "layers": r where only the stack's first r layers recompute in full, "others": "selective" where the
+    # rest recompute selectively}.
     recompute: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -380,6 +382,13 @@ def _recompute_from_json(d: dict) -> dict[str, dict]:
         if not isinstance(v, dict) or v.get("variant") not in VARIANTS:
             raise ValueError(f"recompute entry of {prefix!r} must be a dict whose variant is one of {VARIANTS}, "
                              f"got {v!r}")
+        layers = v.get("layers")
+        if layers is not None and (v["variant"] != "full" or not isinstance(layers, int) or layers < 1):
+            raise ValueError(f"recompute entry of {prefix!r}: 'layers' (the first layers recomputed) must be a "
+                             f"positive integer with variant 'full', got {v!r}")
+        if v.get("others", "keep") not in ("keep", "selective") or (layers is None and "others" in v):
+            raise ValueError(f"recompute entry of {prefix!r}: 'others' (what the layers after the first "
+                             f"'layers' do) must be 'keep' or 'selective', with 'layers', got {v!r}")
     return {k: dict(v) for k, v in d.items()}
 
 

@@ -8,6 +8,13 @@ Per repeated layer stack (a capture block such as `layers`) a plan records one v
                them (norms, activation functions, rotary embeddings, casts, softmax and the other attention
                internals, residual adds) are recomputed from them
     full       each layer is recomputed from its input (the residual stream entering it), which alone is saved
+    full/r     the first r layers of the stack recomputed in full, the others keeping their activations
+               (Megatron's "block" method: only as many layers recompute as the memory limit needs)
+    full/r/selective
+               the first r layers recomputed in full, the others selectively: between the two variants' memory
+               at less time than full everywhere
+The solver offers r at about a quarter, half and three quarters of the stack, in whole captured layers (one
+stands for count / captured layers of the model: a planning template of 2 captured layers offers half).
 
 Regions the model checkpoints itself (torch.utils.checkpoint, transformers' gradient_checkpointing_enable) are
 recomputed whatever the plan says; a stack whose forward the model checkpoints throughout is recorded as "full"
@@ -26,7 +33,30 @@ import torch.fx as fx
 
 from autopar import _torch_compat as compat
 
-VARIANTS = ("keep", "selective", "full")
+VARIANTS = ("keep", "selective", "full")  # the variants every layer stack takes; partial ones are "full/r"
+
+
+def split(variant: str) -> tuple[str, int | None, str]:
+    """(variant of the first layers, how many of them (None: all), variant of the others): ("full", 16, "keep")
+    for "full/16", ("full", 2, "selective") for "full/2/selective", ("selective", None, "selective") for
+    "selective"."""
+    kind, *rest = variant.split("/")
+    if not rest:
+        return kind, None, kind
+    return kind, int(rest[0]), rest[1] if len(rest) > 1 else "keep"
+
+
+def partial_variants(count: int, captured: int) -> list[str]:
+    """The partial variants offered for a stack of `count` layers of which `captured` are in the graph: the
+    first r layers recomputed in full and the others keeping ("full/r") or recomputing selectively
+    ("full/r/selective"), for r about a quarter, half and three quarters of the stack, each a whole number of
+    captured layers (one stands for count / captured), so the graph holds the plan exactly."""
+    if captured < 2 or count % captured:
+        return []
+    per = count // captured
+    picks = sorted({max(1, min(captured - 1, round(captured * q))) for q in (0.25, 0.5, 0.75)})
+    return [f"full/{j * per}{rest}" for rest in ("", "/selective") for j in picks]
+
 
 aten = torch.ops.aten
 # Ops whose outputs selective recomputation keeps: the GEMMs and fused attention, which are costly to recompute.
@@ -73,8 +103,11 @@ def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) 
     region: dict[fx.Node, tuple] = {}
     for n in cap.checkpointed if model else ():
         region[n] = ("checkpoint", compat.checkpoint_region(n))
+    per = {b.prefix: b.count / b.captured for b in cap.blocks}  # the layers one captured layer stands for
     for n, (prefix, i) in cap.block_of.items():
-        v = variants.get(prefix, "keep")
+        v, upto, others = split(variants.get(prefix, "keep"))
+        if upto is not None and (i + 1) * per.get(prefix, 1.0) > upto + 1e-9:
+            v = others  # a layer past the first `upto`
         if v == "keep" or n in region or n.op != "call_function" or cap.phase.get(n) != "fwd":
             continue
         if n.target is operator.getitem:
@@ -102,5 +135,14 @@ def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) 
 
 
 def plan_variants(plan: Any) -> dict[str, str]:
-    """{stack prefix: variant} a plan records (plan.recompute)."""
-    return {p: d["variant"] for p, d in (getattr(plan, "recompute", None) or {}).items()}
+    """{stack prefix: variant} a plan records (plan.recompute; "full/r" where it records "layers": r, and
+    "full/r/selective" with "others": "selective")."""
+    return {p: join(d["variant"], d.get("layers"), d.get("others", "keep"))
+            for p, d in (getattr(plan, "recompute", None) or {}).items()}
+
+
+def join(kind: str, layers: int | None, others: str = "keep") -> str:
+    """The variant string of split's parts."""
+    if layers is None:
+        return kind
+    return f"{kind}/{layers}" + ("" if others == "keep" else f"/{others}")

@@ -2,11 +2,12 @@
 
 1. Llama-3 8B and 70B (and 405B with --405b) on H100 meshes at 80 GB per rank: peak memory per rank and
    estimated step time with recomputation chosen by the solver (Config(recompute="auto")), none ("off") and
-   full recomputation of every layer ("full"). A plan that does not fit shows the smallest peak found.
+   full recomputation of every layer ("full"); and 70B at 70 GB, between the selective and the full plans'
+   peaks, where a partial variant ("full/r", "full/r/selective") can win. A plan that does not fit shows the smallest peak found.
 2. On CPU (4 gloo processes, a (dp=2, tp=2) mesh, a Llama of 4 layers of width 256 on 8 x 64 tokens): the
    peak memory per rank the plan predicts against the one measured over a step after a warm-up step
-   (autopar.testing.memory), for the solver's plan with and without recomputation and the DP, FSDP and
-   Megatron recipes.
+   (autopar.testing.memory), for the solver's plan with and without recomputation (selective, full, and the
+   first 2 of the 4 layers in full, the others selective) and the DP, FSDP and Megatron recipes.
 
 Usage: python benchmarks/memory.py [--405b] [--no-cpu]
 """
@@ -22,6 +23,7 @@ from autopar import Config, SolverConfig
 from autopar.errors import InfeasibleMemoryError
 from autopar.models import LLAMA_SMALL, Llama, cross_entropy_loss
 from autopar.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from autopar.recompute import plan_variants
 
 QUIET = SolverConfig(show_progress=False)
 GIB = 2**30
@@ -32,7 +34,7 @@ CASES = {  # name: (config, mesh shape, axis names, sequences, tokens per sequen
 }
 
 
-def plan_row(name: str, mode: str) -> str:
+def plan_row(name: str, mode: str, limit_gb: float = 80) -> str:
     cfg, shape, names, batch, seq, extra = CASES[name]
     with torch.device("meta"):
         model = Llama(cfg)
@@ -40,14 +42,14 @@ def plan_row(name: str, mode: str) -> str:
     try:
         p = autopar.plan(model, autopar.fake_mesh(shape, names, "h100"), (torch.zeros(batch, seq, dtype=torch.long),),
                          loss_fn=cross_entropy_loss,
-                         config=Config(device="h100", memory_limit_gb=80, recompute=mode, solver=QUIET, **extra))
+                         config=Config(device="h100", memory_limit_gb=limit_gb, recompute=mode, solver=QUIET, **extra))
     except InfeasibleMemoryError as e:
         low = getattr(e, "smallest_peak", None)
         seen = f"smallest peak {low / GIB:6.1f} GiB" if low is not None else str(e).split(":")[1][:60]
-        return f"{name:12} {mode:5} {'does not fit':>21}  {seen}  ({time.perf_counter() - t0:5.1f} s)"
-    rc = ", ".join(f"{k} {v['variant']}" for k, v in p.recompute.items())
-    return (f"{name:12} {mode:5} {p.peak_memory_per_rank / GIB:8.1f} GiB {p.estimated_step_time:8.3f} s  "
-            f"{rc:16} {','.join(sorted(p.techniques)):22} ({time.perf_counter() - t0:5.1f} s)")
+        return f"{name:12} {limit_gb:4g} {mode:5} {'does not fit':>21}  {seen}  ({time.perf_counter() - t0:5.1f} s)"
+    rc = ", ".join(f"{k} {v}" for k, v in plan_variants(p).items())
+    return (f"{name:12} {limit_gb:4g} {mode:5} {p.peak_memory_per_rank / GIB:8.1f} GiB {p.estimated_step_time:8.3f} s  "
+            f"{rc:23} {','.join(sorted(p.techniques)):22} ({time.perf_counter() - t0:5.1f} s)")
 
 
 def build_small():
@@ -67,7 +69,8 @@ def cpu_table() -> None:
     model, inputs, loss_fn = build_small()
     spec = MeshSpec(names, shape, ("loopback", "loopback"), "cpu")
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
-    kinds = {"solver": {}, "solver, selective": {"recompute": "selective"}, "solver, full": {"recompute": "full"}}
+    kinds = {"solver": {}, "solver, selective": {"recompute": "selective"}, "solver, full": {"recompute": "full"},
+             "solver, full/2/sel": {"recompute": "full/2/selective"}}
     kinds.update({r: dict(recipes.recipe(r)(shapes, spec, n_inputs=1), recompute="off")
                   for r in ("ddp", "fsdp", "megatron")})
     print(f"\n{'plan':18} {'predicted':>10} {'measured':>10} {'ratio':>6}")
@@ -84,10 +87,13 @@ def main() -> None:
     ap.add_argument("--405b", dest="big", action="store_true", help="also plan Llama-3-405B (about a minute each)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the measured CPU table")
     args = ap.parse_args()
-    print(f"{'model':12} {'mode':5} {'peak/rank':>12} {'step':>10}  {'recompute':16} {'techniques':22} (planning)")
+    print(f"{'model':12} {'GB':>4} {'mode':5} {'peak/rank':>12} {'step':>10}  {'recompute':23} {'techniques':22} "
+          "(planning)")
     for name in ("llama3-8b", "llama3-70b") + (("llama3-405b",) if args.big else ()):
         for mode in ("auto", "off", "full"):
             print(plan_row(name, mode), flush=True)
+    # Between the selective and the full plan's peak: the first half of the layers in full, the rest selective.
+    print(plan_row("llama3-70b", "auto", limit_gb=70), flush=True)
     if not args.no_cpu:
         cpu_table()
 

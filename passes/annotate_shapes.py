@@ -8,12 +8,13 @@ residual stream's gradient accumulation) to one layer, so it counts as inside th
 from __future__ import annotations
 
 import collections
+import warnings
 
 import torch
 import torch.fx as fx
 
 from autopar.passes.context import Edge, PassContext
-from autopar.recompute import VARIANTS, model_checkpointed_stacks, recomputed_nodes
+from autopar.recompute import VARIANTS, join, model_checkpointed_stacks, recomputed_nodes, split
 from autopar.rules.base import flat_tensor_args, op_info
 
 
@@ -106,14 +107,33 @@ def recompute_baseline(ctx: PassContext) -> None:
     for b in cap.blocks:
         if b.prefix in by_model:
             ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "full", "model"
-        elif mode in ("selective", "full"):
-            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = mode, "config"
+        elif mode not in ("auto", "off"):  # "selective", "full", "full/r", "full/r/selective"
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = _fixed_variant(mode, b), "config"
         else:
             ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "keep", "config" if mode == "off" else "solver"
             if mode == "auto" and len(VARIANTS) ** (len(ctx.recompute_offered) + 1) <= MAX_COMBINATIONS:
                 ctx.recompute_offered.append(b.prefix)
     ctx.recompute_fixed = dict(ctx.recompute)
     ctx.recomputed = recomputed_nodes(cap, ctx.recompute)
+
+
+def _fixed_variant(mode: str, block) -> str:
+    """Config.recompute as one stack's variant: "full/r" with r at least the stack's layers is "full"; in a
+    planning template (one captured layer standing for several), r rounds down to whole captured layers, with a
+    warning."""
+    kind, r, others = split(mode)
+    if r is None:
+        return mode
+    per = block.count // block.captured if block.count % block.captured == 0 else block.count
+    whole = r // per * per
+    if whole >= block.count:
+        return kind
+    if whole != r:
+        warnings.warn(f"Config(recompute={mode!r}): the planning template captures {block.captured} of the "
+                      f"{block.count} layers of {block.prefix}, so it recomputes {whole} layers in whole captured "
+                      "layers; plan with Config(template_layers=None) (as parallelize does) for exactly r",
+                      stacklevel=2)
+    return join(kind, whole, others) if whole else others
 
 
 def saved_keys(ctx: PassContext) -> set[str]:

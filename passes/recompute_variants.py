@@ -25,9 +25,9 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.passes.context import PassContext
-from autopar.recompute import VARIANTS, recomputed_nodes
+from autopar.recompute import VARIANTS, partial_variants, recomputed_nodes, split
 
-SELECTOR = "recompute/"  # the selector key of a stack: SELECTOR + its prefix, one strategy per VARIANTS entry
+SELECTOR = "recompute/"  # the selector key of a stack: SELECTOR + its prefix, one strategy per offered variant
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class Joint:
     """The variants of the stacks the solver decides, as data for one placement program."""
 
     stacks: list[str]
+    variants: dict[str, tuple[str, ...]]  # stack -> the variants its selector offers, "keep" first
     base: dict[str, str]  # every decided stack keeping its activations (the others as fixed)
     # (stack, variant) -> the memory profile's weights and the recompute shares per key with that stack at that
     # variant and every other decided stack keeping.
@@ -52,6 +53,8 @@ def joint(ctx: PassContext) -> Joint | None:
     from autopar.passes.memory_profile import _build, memory_profile
 
     cap, stacks = ctx.captured, list(ctx.recompute_offered)
+    count = {b.prefix: (b.count, b.captured) for b in cap.blocks}
+    offered = {s: VARIANTS + tuple(partial_variants(*count[s])) for s in stacks}
     base = dict(ctx.recompute_fixed)
     apply(ctx, base)
     prof, share0 = memory_profile(ctx), fractions(ctx, ctx.recomputed)
@@ -63,7 +66,7 @@ def joint(ctx: PassContext) -> Joint | None:
 
     for s in stacks:
         weight[(s, "keep")], share[(s, "keep")] = prof.weight, share0
-        for v in VARIANTS[1:]:
+        for v in offered[s][1:]:
             rec = recomputed_nodes(cap, {**base, s: v})
             p, sh = _build(ctx, rec), fractions(ctx, rec)
             if p.keys != prof.keys:
@@ -72,10 +75,10 @@ def joint(ctx: PassContext) -> Joint | None:
             for k in changed(p.weight, sh):
                 if owner.setdefault(k, s) != s:
                     return _branch(ctx)
-    out = Joint(stacks, base, weight, share, owner)
+    out = Joint(stacks, offered, base, weight, share, owner)
     if len(stacks) > 1:  # each key follows its owner's variant alone, in every combination
         col = {k: c for c, k in enumerate(prof.keys)}
-        for combo in itertools.product(VARIANTS, repeat=len(stacks)):
+        for combo in itertools.product(*(offered[s] for s in stacks)):
             variants = dict(zip(stacks, combo))
             rec = recomputed_nodes(cap, {**base, **variants})
             p, sh = _build(ctx, rec), fractions(ctx, rec)
@@ -99,7 +102,9 @@ def _branch(ctx: PassContext) -> None:
 def chosen(ctx: PassContext, choice: dict[str, int]) -> dict[str, str] | None:
     """The variants a joint program's choice makes (its selector keys removed from `choice`), or None when the
     choice holds no selector."""
-    picks = {k[len(SELECTOR):]: VARIANTS[choice.pop(k)] for k in [k for k in choice if k.startswith(SELECTOR)]}
+    offered = ctx.recompute_joint.variants if ctx.recompute_joint else {}
+    picks = {k[len(SELECTOR):]: offered[k[len(SELECTOR):]][choice.pop(k)]
+             for k in [k for k in choice if k.startswith(SELECTOR)]}
     return dict(ctx.recompute_fixed, **picks) if picks else None
 
 
@@ -125,7 +130,8 @@ def recompute_time(ctx: PassContext, key: str, index: int, share: dict[str, floa
 
 def combinations(ctx: PassContext) -> list[dict[str, str]]:
     """Every combination of variants over the stacks the solver decides (the others as fixed), keeping
-    activations first: the order the solve tries them in."""
+    activations first: the order the solve tries them in. Partial variants ("full/r") are offered only in the
+    joint program, where they cost one selector strategy each rather than a placement program each."""
     out = []
     for combo in itertools.product(VARIANTS, repeat=len(ctx.recompute_offered)):
         out.append(dict(ctx.recompute_fixed, **dict(zip(ctx.recompute_offered, combo))))
@@ -156,9 +162,11 @@ def apply(ctx: PassContext, variants: dict[str, str]) -> None:
 
 
 def summary(ctx: PassContext) -> dict[str, dict]:
-    """Per layer stack: its variant, who chose it ("solver", "config" or "model"), the seconds per step its
-    recomputation adds under the chosen placements, and the activation bytes per rank it saves at the peak
-    (against keeping every activation, same placements)."""
+    """Per layer stack: its variant (and "layers": r for "full/r", the first r layers recomputed, with "others":
+    "selective" for "full/r/selective"), who chose it
+    ("solver", "config" or "model"), the seconds per step its recomputation adds under the chosen placements,
+    and the activation bytes per rank it saves at the peak (against keeping every activation, same
+    placements)."""
     from autopar.passes.memory_profile import _build
 
     out = {}
@@ -173,8 +181,13 @@ def summary(ctx: PassContext) -> dict[str, dict]:
         others = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix},
                                   model=ctx.recompute_by[prefix] != "model")
         saved = _build(ctx, others).peak(ctx.choice)[1] - memory_peak(ctx)
-        out[prefix] = {"variant": variant, "by": ctx.recompute_by[prefix],
+        kind, layers, others = split(variant)
+        out[prefix] = {"variant": kind, "by": ctx.recompute_by[prefix],
                        "time_s": float(f"{ctx.microbatches * t:.6g}"), "saved_bytes": int(max(0.0, saved))}
+        if layers is not None:
+            out[prefix]["layers"] = layers
+            if others != "keep":
+                out[prefix]["others"] = others
     return out
 
 

@@ -11,7 +11,6 @@ import torch.fx as fx
 
 from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes import recompute_variants
-from autopar.recompute import VARIANTS
 from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
@@ -94,20 +93,21 @@ def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict,
     the activations its recomputed ops redistribute again, whose price depends on both ends of the edge: the
     link holds the least it can be from the end it is attached to (the producer's output layout when the
     producer is in the stack, else the reader's input layout), a lower bound the step simulator makes exact."""
-    m, V = ctx.microbatches, len(VARIANTS)
+    m = ctx.microbatches
     for s in joint.stacks:
-        n[recompute_variants.SELECTOR + s] = V
-        compute[recompute_variants.SELECTOR + s] = [0.0] * V
+        n[recompute_variants.SELECTOR + s] = len(joint.variants[s])
+        compute[recompute_variants.SELECTOR + s] = [0.0] * len(joint.variants[s])
     cost: dict[tuple[str, str], list[list[float]]] = {}
     for key, s in sorted(joint.owner.items()):
         root, idx = _root(ctx, key)
         if root not in n:
             continue
+        V = len(joint.variants[s])
         rows = cost.setdefault((root, recompute_variants.SELECTOR + s), [[0.0] * V for _ in range(n[root])])
         base = joint.share[(s, "keep")].get(key, 0.0)
         if key not in ctx.compute_cost:
             continue
-        for r, v in enumerate(VARIANTS):
+        for r, v in enumerate(joint.variants[s]):
             extra = joint.share[(s, v)].get(key, 0.0) - base
             if extra:
                 for i in range(n[root]):
@@ -115,7 +115,7 @@ def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict,
     base = _rerun_shares(ctx, joint.share[(joint.stacks[0], "keep")])
     for s in joint.stacks:
         sel = recompute_variants.SELECTOR + s
-        for r, v in enumerate(VARIANTS):
+        for r, v in enumerate(joint.variants[s]):
             seen: set[int] = set()  # a group's redistribution runs again once
             for ie, f0, f in zip(edges, base, _rerun_shares(ctx, joint.share[(s, v)])):
                 if f <= f0 or ie.dst is None or ie.group in seen:
@@ -127,7 +127,7 @@ def _recompute_links(ctx: PassContext, joint: recompute_variants.Joint, n: dict,
                     add = [min(c[ie.src_index[i]]) for i in range(n[ie.src])]
                     rows = cost[(ie.src, sel)]
                 else:
-                    rows = cost.setdefault((ie.dst, sel), [[0.0] * len(VARIANTS) for _ in range(n[ie.dst])])
+                    rows = cost.setdefault((ie.dst, sel), [[0.0] * len(joint.variants[s]) for _ in range(n[ie.dst])])
                     add = [min(c[a][ie.dst_index[t]] for a in range(len(c))) for t in range(n[ie.dst])]
                 for i, x in enumerate(add):
                     rows[i][r] += x
@@ -197,7 +197,7 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
             conditions.append(None)
             cols.append(prof.weight[:, c])
             continue
-        for r, v in enumerate(VARIANTS):
+        for r, v in enumerate(joint.variants[s]):
             terms.append((root, b))
             conditions.append((recompute_variants.SELECTOR + s, r))
             cols.append(joint.weight[(s, v)][:, c])

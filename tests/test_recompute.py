@@ -2,13 +2,15 @@
 records, and that recomputing changes no number.
 
 The execution tests run one training step of a Megatron plan on a (dp=2, tp=2) gloo mesh with every layer
-kept, selectively recomputed and fully recomputed, and require the loss and every gradient to be bitwise
-equal (the recomputed ops see the same inputs, on the same kernels): the example Llama, and transformers'
+selectively recomputed, fully recomputed, and the first layer in full and the second selectively, each against
+the same placements keeping every activation, and require the loss and every gradient to be bitwise equal (the
+recomputed ops see the same inputs, on the same kernels): the example Llama, and transformers'
 LlamaForCausalLM with attention dropout 0.1 (masks are saved, never drawn again). The memory test holds the
 plan's peak per rank to the measured one.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -99,24 +101,28 @@ def one_step(name: str, plans: dict[str, str]) -> dict:
 
 
 # --- execution: recomputation changes no number -----------------------------------------------------------
-@pytest.mark.slow  # 16-22 s each on 4 gloo processes: make test only, so the fast tier stays under 3 minutes
+@pytest.mark.slow  # about 40 s each on 4 gloo processes: make test only, so the fast tier stays under 3 minutes
 @pytest.mark.parametrize("name", ["llama", "hf_llama_dropout"])
 def test_recomputed_step_equals_kept_step_bitwise(name):
     """Each recomputing plan against the same placements keeping every activation (the plan with its variant
     set to keep): recomputation pays for its redistributions, so the solver may place activations differently
     than it would without it, and the comparison holds placements fixed."""
     pool = get_pool(4)
-    plans = {v: compiled(name, v).plan for v in ("selective", "full")}
+    variants = ("selective", "full", "full/1/selective")  # the last: layer 0 in full, layer 1 selective
+    plans = {v: compiled(name, v).plan for v in variants}
     texts = {}
     for v, p in plans.items():
         assert "ac" in p.techniques and p.recomputed_stacks(), p.recompute
         assert any(isinstance(x, Shard) for lay in p.params.values() for x in lay[1:]), "no tensor parallelism"
         texts[v] = p.to_json()
-        texts[f"{v}/keep"] = texts[v].replace(f'"variant": "{v}"', '"variant": "keep"')
+        kept = Plan.from_json(texts[v])
+        kept.recompute = {k: {"variant": "keep", "by": d["by"], "time_s": 0.0, "saved_bytes": 0}
+                          for k, d in kept.recompute.items()}
+        texts[f"{v}/keep"] = kept.to_json()
         assert Plan.from_json(texts[f"{v}/keep"]).recomputed_stacks() == []
     results = pool.run(one_step, name, texts)
     for rank, res in enumerate(results):
-        for v in ("selective", "full"):
+        for v in variants:
             got, kept = res[v], res[f"{v}/keep"]
             # The programs differ as the plans say: fewer saved tensors, more recomputed values.
             assert got["saved"] < kept["saved"] and got["recomputed"] > kept["recomputed"], (v, got, kept)
@@ -125,7 +131,7 @@ def test_recomputed_step_equals_kept_step_bitwise(name):
             for k, g in kept["grads"].items():
                 assert torch.equal(got["grads"][k], g), f"rank {rank}, {v}: gradient of {k} differs " \
                     f"by up to {(got['grads'][k] - g).abs().max().item():.3g}"
-        assert results[0]["full"]["saved"] < results[0]["selective"]["saved"]
+        assert results[0]["full"]["saved"] < results[0]["full/1/selective"]["saved"] < results[0]["selective"]["saved"]
     if name == "hf_llama_dropout":  # attention dropout draws masks in the layers that recompute
         assert plans["full"].nodes["model.model.layers.*.self_attn/fwd/native_dropout"].op.startswith(
             "aten.native_dropout")
@@ -135,6 +141,90 @@ def test_recomputed_step_equals_kept_step_bitwise(name):
 def test_config_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="recompute='some'.*'auto'"):
         Config(recompute="some")
+    for bad in ("full/0", "full/x", "selective/2", "full/2/full", "full/2/selective/1"):
+        with pytest.raises(ValueError, match="'full/r' / 'full/r/selective'"):
+            Config(recompute=bad)
+    assert Config(recompute="full/2/selective").recompute == "full/2/selective"
+
+
+# --- partial recomputation: the first r layers in full ------------------------------------------------------
+FOUR = dataclasses.replace(LLAMA_TINY, n_layers=4)
+
+
+@functools.lru_cache(maxsize=None)
+def four_layers(recompute: str, limit_kib: float | None = None):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, FOUR.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    return compile_plan(Llama(FOUR), autopar.fake_mesh((2,), ("dp",), "cpu"), (tokens,), loss_fn=cross_entropy_loss,
+                        config=Config(solver=QUIET, recompute=recompute,
+                                      memory_limit_gb=None if limit_kib is None else limit_kib * 2**10 / 2**30),
+                        template_layers=None)
+
+
+def test_partial_variants_recompute_the_first_layers_and_the_others_as_told():
+    from autopar.recompute import partial_variants, recomputed_nodes
+
+    cap = four_layers("off").ctx.captured
+    layer = {n: i for n, (p, i) in cap.block_of.items()}
+    full, sel = (recomputed_nodes(cap, {"layers": v}) for v in ("full", "selective"))
+    assert sel < full and {layer[n] for n in full} == {0, 1, 2, 3}
+    for r in (1, 2, 3):
+        first = {n for n in full if layer[n] < r}
+        assert recomputed_nodes(cap, {"layers": f"full/{r}"}) == first
+        assert recomputed_nodes(cap, {"layers": f"full/{r}/selective"}) == first | {n for n in sel if layer[n] >= r}
+    assert recomputed_nodes(cap, {"layers": "full/4"}) == full
+    # Offered in whole captured layers: a template of 2 captured layers of 32 offers half; 3 of 4 none.
+    assert partial_variants(4, 4) == ["full/1", "full/2", "full/3", "full/1/selective", "full/2/selective",
+                                      "full/3/selective"]
+    assert partial_variants(32, 2) == ["full/16", "full/16/selective"]
+    assert partial_variants(4, 3) == [] and partial_variants(1, 1) == []
+
+
+def test_a_partial_variant_is_recorded_shown_and_round_trips():
+    plans = {v: four_layers(v).plan for v in ("selective", "full/2/selective", "full")}
+    p = plans["full/2/selective"]
+    rc = p.recompute["layers"]
+    assert rc["variant"] == "full" and rc["layers"] == 2 and rc["others"] == "selective" and rc["by"] == "config"
+    # Half the layers in full and half selective: time and memory between the two.
+    t = {v: q.recompute["layers"]["time_s"] for v, q in plans.items()}
+    assert t["selective"] < t["full/2/selective"] < t["full"], t
+    act = {v: q.memory_breakdown["activations"] for v, q in plans.items()}
+    assert act["full"] < act["full/2/selective"], act
+    assert Plan.from_json(p.to_json()) == p
+    from autopar.recompute import plan_variants
+
+    assert plan_variants(Plan.from_json(p.to_json())) == {"layers": "full/2/selective"}
+    assert "layers: full on the first 2 of 4 layers, selective on the others, +" in str(p)
+    text = p.explain("layers")
+    assert "full on the first 2 of the 4 layers" in text and "the other layers: selective" in text
+    with pytest.raises(autopar.PlanMismatchError, match="'others'"):
+        Plan.from_json(p.to_json().replace('"others": "selective"', '"others": "full"'))
+
+
+def test_the_joint_program_prices_each_partial_variant_as_the_program_with_it_fixed():
+    """The selector of a stack offers the partial variants, and with the selector at one of them the joint
+    program's objective and memory rows equal those of the program built with that variant fixed (a data
+    parallel mesh: no activation changes layout, so the recompute links are exact)."""
+    from autopar.passes import recompute_variants as rv
+    from autopar.passes import solve_placements as sp
+
+    ctx = four_layers("auto", 7600).ctx
+    joint = rv.joint(ctx)
+    assert joint is not None and joint.variants["layers"][3:] == (
+        "full/1", "full/2", "full/3", "full/1/selective", "full/2/selective", "full/3/selective")
+    limit = float(ctx.memory_limit)
+    rv.apply(ctx, joint.base)
+    both = sp.build_problem(ctx, limit, joint)
+    choice = {k: ctx.choice[k] for k in both.n_strategies if not k.startswith(rv.SELECTOR)}
+    seen = set()
+    for r, v in enumerate(joint.variants["layers"]):
+        rv.apply(ctx, {"layers": v})
+        fixed = sp.build_problem(ctx, limit)
+        pick = dict(choice, **{rv.SELECTOR + "layers": r})
+        assert both.objective(pick) == pytest.approx(fixed.objective(choice), rel=1e-9), v
+        assert both.memory.usage(pick) == pytest.approx(fixed.memory.usage(choice), rel=1e-9), v
+        seen.add(round(fixed.memory.usage(choice)))
+    assert len(seen) == len(joint.variants["layers"])  # every variant changes the peak
 
 
 @pytest.mark.slow

@@ -12,13 +12,22 @@ _BY = {"solver": "chosen by the solver", "config": "set by Config.recompute",
        "model": "the model checkpoints these layers itself"}
 
 
+def _variant(plan: Any, d: dict) -> str:
+    """'full' or, where only the first r layers recompute in full, 'full on the first 16 of 32 layers' (and
+    ', selective on the others')."""
+    if d.get("layers") is None:
+        return d["variant"]
+    rest = ", selective on the others" if d.get("others") == "selective" else ""
+    return f"{d['variant']} on the first {d['layers']} of {d.get('of') or '?'} layers{rest}"
+
+
 def recompute_line(plan: Any) -> str:
     """'layers: full, +12.3 ms per step, saves 4.1 GiB per rank (chosen by the solver)' per recomputing stack;
     empty when no stack recomputes."""
     parts = []
     for prefix in _stacks(plan):
         d = plan.recompute[prefix]
-        parts.append(f"{prefix}: {d['variant']}, +{fmt_time(d.get('time_s', 0.0))} per step, saves "
+        parts.append(f"{prefix}: {_variant(plan, dict(d, of=plan.blocks.get(prefix)))}, +{fmt_time(d.get('time_s', 0.0))} per step, saves "
                      f"{fmt_bytes(d.get('saved_bytes', 0))} per rank ({_BY.get(d.get('by'), d.get('by'))})")
     return "; ".join(parts)
 
@@ -27,6 +36,11 @@ def explain_stack(plan: Any, prefix: str) -> str:
     d = plan.recompute[prefix]
     lines = [f"layer stack {prefix} ({plan.blocks.get(prefix, '?')} layers)",
              f"  recomputation: {_WHAT.get(d['variant'], d['variant'])}, {_BY.get(d.get('by'), d.get('by'))}"]
+    if d.get("layers") is not None:
+        rest = _WHAT[d.get("others", "keep")]
+        lines[-1] = (f"  recomputation: full on the first {d['layers']} of the {plan.blocks.get(prefix, '?')} "
+                     f"layers (each recomputed from its input), {_BY.get(d.get('by'), d.get('by'))}")
+        lines.append(f"  the other layers: {rest}")
     if d["variant"] != "keep":
         lines.append(f"  time added: {fmt_time(d.get('time_s', 0.0))} per step (the recomputed forward ops on "
                      "their local shapes)")
@@ -40,7 +54,9 @@ def node_note(plan: Any, key: str) -> str | None:
     """For a forward node inside a recomputing stack: how the stack recomputes."""
     for prefix in _stacks(plan):
         if key.startswith(f"{prefix}.*.") and "/fwd/" in key:
-            return f"{prefix} recomputes its activations ({plan.recompute[prefix]['variant']}) in backward"
+            d = plan.recompute[prefix]
+            return (f"{prefix} recomputes its activations ({_variant(plan, dict(d, of=plan.blocks.get(prefix)))}) "
+                    "in backward")
     return None
 
 

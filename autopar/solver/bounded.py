@@ -117,7 +117,10 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     if on_progress:
         on_progress("warm start from the relaxation")
     t = time.perf_counter()
-    keep = _union(_support(x), _least_static(p)) if binding else _support(x)
+    # Selectors (a layer stack's recompute variant) keep every strategy: a few columns each, and the relaxation
+    # mixes them where a plan takes one.
+    keep = _union(_support(x), {k: list(range(p.n_strategies[k])) for k in p.selectors()})
+    keep = _union(keep, _least_static(p)) if binding else keep
     start = _warm_start(p, keep, backend, deadline, seen)
     if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
         keep = _priced_support(p, prices, keep, deadline)
