@@ -20,14 +20,17 @@ demo: $(STAMP)
 	$(PY) -m autopar.demo
 
 # Everything (what .ci/run calls; at most 25 minutes on 2 cores). No -x: one run reports every failure, and a
-# worker pool that dies in one test does not hide what the remaining tests would have found.
+# worker pool that dies in one test does not hide what the remaining tests would have found. Two pytest
+# workers (pytest-xdist), one per core, each test file on one worker so its cached plans are built once: the
+# tests run single-threaded (tests/conftest.py), and most of them plan on one core.
+TEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_WORKERS) tests
 
 # While working (at most 3 minutes on 2 cores): rules, planner, codegen, inspect, cli and a few gloo cases;
 # tests marked slow run in `make test` only.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_WORKERS) -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py
