@@ -274,7 +274,7 @@ def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadlin
                 seen: _Tracker) -> IlpResult | None:
     """The best plan using only the strategies `keep` lists (None when they admit none)."""
     try:
-        r = solve(restrict(p, keep), backend=backend, deadline=deadline)
+        r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True)
     except (ProgramInfeasible, SolverTimeout):
         return None
     choice = {k: keep[k][i] for k, i in r.choice.items()}

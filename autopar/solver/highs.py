@@ -24,12 +24,23 @@ _T = result_pb2.TerminationReasonProto
 _INF = float("inf")
 
 
+# HiGHS options for a restricted program (a warm start over a few strategies per key), where the root's strong
+# branching, its restart and RINS take most of the time and the optimum is found without them. A HiGHS too old
+# to know one of them (an older ortools) solves with its defaults.
+_RESTRICTED = {"mip_pscost_minreliable": 0, "mip_allow_restart": False, "mip_heuristic_run_rins": False}
+_restricted_known = True
+
+
 def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: dict[str, int] | None,
-                relative_gap: float, on_progress: Callable[[str], None] | None) -> IlpResult:
+                relative_gap: float, on_progress: Callable[[str], None] | None, restricted: bool = False
+                ) -> IlpResult:
     t0 = time.perf_counter()
     prog = build_program(p)
     proto = _model(prog, objective)
     params = _params(p.seed, remaining)
+    if restricted and _restricted_known:
+        for k, v in _RESTRICTED.items():
+            (params.highs.bool_options if isinstance(v, bool) else params.highs.int_options)[k] = v
     if relative_gap > 0:
         params.relative_gap_tolerance = relative_gap
     model_params = model_parameters_pb2.ModelSolveParametersProto()
@@ -43,7 +54,14 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
     if on_progress:
         on_progress(f"solving: {prog.n_cols} variables, {len(proto.linear_constraints.ids)} constraints")
     t1 = time.perf_counter()
-    res = _run(proto, params, model_params)
+    try:
+        res = _run(proto, params, model_params)
+    except Exception as e:  # pybind11_abseil's StatusNotOk: an option this HiGHS does not know
+        if not (restricted and _restricted_known and "option name was unknown" in str(e)):
+            raise
+        _forget_restricted()
+        params.highs.Clear()
+        res = _run(proto, params, model_params)
     solve_s = time.perf_counter() - t1
     val = _check(res)
     choice = {k: max(range(len(cols)), key=lambda i: (val.get(cols[i], 0.0), -i)) for k, cols in prog.x.items()}
@@ -58,6 +76,11 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
              "status": "OPTIMAL" if reason == _T.TERMINATION_REASON_OPTIMAL else "FEASIBLE",
              "nodes": res.solve_stats.node_count, "build_seconds": build_s, "solve_seconds": solve_s}
     return IlpResult(choice, obj, bound, optimal, stats)
+
+
+def _forget_restricted() -> None:
+    global _restricted_known
+    _restricted_known = False
 
 
 def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]], dict]:
