@@ -3,7 +3,8 @@
 1. Llama-3 8B and 70B (and 405B with --405b) on H100 meshes at 80 GB per rank: peak memory per rank and
    estimated step time with recomputation chosen by the solver (Config(recompute="auto")), none ("off") and
    full recomputation of every layer ("full"); and 70B at 70 GB, between the selective and the full plans'
-   peaks, where a partial variant ("full/r", "full/r/selective") can win. A plan that does not fit shows the smallest peak found.
+   peaks, where a partial variant ("full/r", "full/r/selective") can win. A plan that does not fit shows the
+   smallest peak found.
 2. On CPU (4 gloo processes, a (dp=2, tp=2) mesh, a Llama of 4 layers of width 256 on 8 x 64 tokens): the
    peak memory per rank the plan predicts against the one measured over a step after a warm-up step
    (autopar.testing.memory), for the solver's plan with and without recomputation (selective, full, and the

@@ -27,7 +27,8 @@ def recompute_line(plan: Any) -> str:
     parts = []
     for prefix in _stacks(plan):
         d = plan.recompute[prefix]
-        parts.append(f"{prefix}: {_variant(plan, dict(d, of=plan.blocks.get(prefix)))}, +{fmt_time(d.get('time_s', 0.0))} per step, saves "
+        what = _variant(plan, dict(d, of=plan.blocks.get(prefix)))
+        parts.append(f"{prefix}: {what}, +{fmt_time(d.get('time_s', 0.0))} per step, saves "
                      f"{fmt_bytes(d.get('saved_bytes', 0))} per rank ({_BY.get(d.get('by'), d.get('by'))})")
     return "; ".join(parts)
 
