@@ -285,6 +285,29 @@ def test_recomputed_regions_redistribute_again_and_both_models_price_it():
     assert priced - without == pytest.approx(sum(again), rel=1e-6)
 
 
+@pytest.mark.slow
+def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again_with_its_variants_fixed():
+    """transformers BERT (hidden 64) on a (dp=2, tp=2) mesh at 0.7x of its unconstrained peak: the joint program
+    prices the collectives its recomputed layers run again more than 10% below their cost, so the program with
+    the chosen variant fixed is solved too, and its plan (faster by the step simulator) reports the exact price
+    of its choice and the joint program's bound."""
+    from autopar.passes import solve_placements as sp
+    from autopar.testing.hf_models import MODELS
+
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS["bert"](batch=4, seq=16)
+    mesh = autopar.fake_mesh(SHAPE, NAMES, "cpu")
+    free = compile_plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET)).plan
+    limit = 0.7 * free.peak_memory_per_rank / 2**30
+    comp = compile_plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET, memory_limit_gb=limit))
+    stats, ctx = comp.ctx.solver_stats, comp.ctx
+    assert stats["recompute"] == "joint, repriced" and comp.plan.recomputed_stacks(), (stats, comp.plan.recompute)
+    fixed = sp.build_problem(ctx, None)
+    assert fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}) == pytest.approx(stats["objective_s"],
+                                                                                            rel=1e-9)
+    assert stats["bound_s"] <= stats["objective_s"]
+
+
 def _tiny_plan(limit_kib: float | None, recompute: str = "auto") -> Plan:
     torch.manual_seed(0)
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
