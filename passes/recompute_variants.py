@@ -163,10 +163,9 @@ def apply(ctx: PassContext, variants: dict[str, str]) -> None:
 
 def summary(ctx: PassContext) -> dict[str, dict]:
     """Per layer stack: its variant (and "layers": r for "full/r", the first r layers recomputed, with "others":
-    "selective" for "full/r/selective"), who chose it
-    ("solver", "config" or "model"), the seconds per step its recomputation adds under the chosen placements,
-    and the activation bytes per rank it saves at the peak (against keeping every activation, same
-    placements)."""
+    "selective" for "full/r/selective"), who chose it ("solver", "config" or "model"), the seconds per step its
+    recomputation adds under the chosen placements, and the activation bytes per rank it saves at the peak
+    (against keeping every activation, same placements)."""
     from autopar.passes.memory_profile import _build
 
     out = {}
@@ -178,9 +177,9 @@ def summary(ctx: PassContext) -> dict[str, dict]:
         mine = {n for n in ctx.recomputed if ctx.captured.block_of.get(n, ("",))[0] == prefix}
         t = sum(recompute_time(ctx, k, ctx.choice[k], share)
                 for k in {ctx.key[n] for n in mine if ctx.key[n] in ctx.choice})
-        others = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix},
-                                  model=ctx.recompute_by[prefix] != "model")
-        saved = _build(ctx, others).peak(ctx.choice)[1] - memory_peak(ctx)
+        without = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix},
+                                   model=ctx.recompute_by[prefix] != "model")
+        saved = _build(ctx, without).peak(ctx.choice)[1] - memory_peak(ctx)
         kind, layers, others = split(variant)
         out[prefix] = {"variant": kind, "by": ctx.recompute_by[prefix],
                        "time_s": float(f"{ctx.microbatches * t:.6g}"), "saved_bytes": int(max(0.0, saved))}

@@ -300,7 +300,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
 
 # Measured on the small transformers models at 0.7x and 0.5x of their peak on a 2x2 mesh and on Llama-3-70B at
 # 80 GB: the joint price was 5-19% low; below 10% the fixed program found no faster plan (Qwen2, 70B), above it
-# it found plans 4-14% faster (OPT, BERT, Llama) except once (OPT at 0.7x).
+# it found plans 4-15% faster (OPT, BERT, Llama) except once (OPT at 0.7x).
 _REPRICE = 0.10
 
 

@@ -21,7 +21,7 @@ def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = Non
     when the deadline passes before any solution is found; at the deadline with a solution, returns it with
     optimal=False. `restricted` says `p` is a small program over a few strategies per key (a warm start): HiGHS
     then branches on pseudo-costs from the first node instead of strong branching, does not restart its root and
-    runs no RINS sub-MIPs (1.5-2.5x faster on such programs, the same optima; docs/solver.md)."""
+    runs no RINS sub-MIPs (1.4-2.5x faster on the programs measured, the same optima; docs/solver.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; use SolverConfig(backend=...) with one of: "
                          + ", ".join(BACKENDS))
