@@ -287,6 +287,24 @@ def test_shared_redistributions_are_priced_once_per_destination_layout(backend):
     assert checked >= 15
 
 
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_a_restricted_program_keeps_its_quiet_axes_on_the_kept_strategies(backend):
+    """A quiet axis forbids the layout pairs that hold a blocking collective there (IlpProblem.quiet_axes), read
+    through the edges `side_edges` keeps for it. Restricted to a subset of strategies (a warm start), the
+    forbidden pairs are still those of the kept strategies, not of the strategies at their positions."""
+    from autopar.solver.bounded import restrict
+
+    # u's strategy 1 outputs layout 1; v's strategy 1 wants layout 1 and is the cheaper; carrying 1 -> 1 holds a
+    # collective on axis 0, which the quiet program forbids.
+    contends = {0: [[False, False], [False, True]]}
+    edge = IlpEdge("u", "v", [0, 1], [0, 1], [[0.0, 1e-3], [1e-3, 0.0]], contends=contends)
+    p = IlpProblem(n_strategies={"u": 2, "v": 2}, compute={"u": [0.0, 0.0], "v": [1e-2, 0.0]}, edges=[],
+                   side_edges=[edge], quiet_axes=frozenset({0}))
+    assert solve(p, backend=backend).choice == {"u": 0, "v": 1}
+    assert solve(restrict(p, {"u": [1], "v": [0, 1]}), backend=backend).choice == {"u": 0, "v": 0}
+    assert solve(restrict(p, {"u": [0], "v": [0, 1]}), backend=backend).choice == {"u": 0, "v": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
 def test_backends_raise_the_same_errors(backend):

@@ -284,11 +284,10 @@ def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadlin
 
 def restrict(p: IlpProblem, keep: dict[str, list[int]]) -> IlpProblem:
     """The program over the strategies `keep` lists per key (indices into p's strategies)."""
-    edges = [dataclasses.replace(e, src_index=[e.src_index[i] for i in keep[e.src]],
-                                 dst_index=None if e.dst is None else [e.dst_index[i] for i in keep[e.dst]])
-             for e in p.edges]
     return dataclasses.replace(p, n_strategies={k: len(v) for k, v in keep.items()},
-                               compute={k: [p.compute[k][i] for i in v] for k, v in keep.items()}, edges=edges,
+                               compute={k: [p.compute[k][i] for i in v] for k, v in keep.items()},
+                               edges=[e.restricted(keep) for e in p.edges],
+                               side_edges=[e.restricted(keep) for e in p.side_edges],
                                memory=None if p.memory is None else p.memory.restricted(keep),
                                links=restricted_links(p.links, keep))
 

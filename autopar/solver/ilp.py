@@ -72,6 +72,11 @@ class IlpEdge:
     # behind the gradient reductions queued on that axis (one communicator, one stream).
     contends: dict[int, Sequence[Sequence[bool]]] | None = None
 
+    def restricted(self, kept: dict[str, list[int]]) -> "IlpEdge":
+        """The edge over the strategies `kept` lists per key."""
+        return dataclasses.replace(self, src_index=[self.src_index[i] for i in kept[self.src]],
+                                   dst_index=None if self.dst is None else [self.dst_index[i] for i in kept[self.dst]])
+
 
 @dataclasses.dataclass
 class IlpLink:

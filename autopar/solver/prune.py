@@ -59,13 +59,8 @@ def reduce_problem(p: IlpProblem) -> Reduced:
             for k, n in p.n_strategies.items()}
     new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
                  for src, dst, si, di, cost in edges]
-    for e in grouped:
-        dst_index = None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]]
-        new_edges.append(dataclasses.replace(e, src_index=[e.src_index[o] for o in kept[e.src]],
-                                             dst_index=dst_index))
-    side = [dataclasses.replace(e, src_index=[e.src_index[o] for o in kept[e.src]],
-                                dst_index=None if e.dst is None else [e.dst_index[o] for o in kept[e.dst]])
-            for e in side]
+    new_edges += [e.restricted(kept) for e in grouped]
+    side = [e.restricted(kept) for e in side]
     q = dataclasses.replace(p, n_strategies={k: len(v) for k, v in kept.items()},
                             compute={k: [float(linear[k][o]) for o in kept[k]] for k in kept}, edges=new_edges,
                             memory=None if p.memory is None else p.memory.restricted(kept), side_edges=side,
