@@ -15,7 +15,7 @@ from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.bounded import least_memory
-from autopar.solver.ilp import IlpEdge, IlpLink, MemoryRows, ProgramInfeasible
+from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpEdge, IlpLink, MemoryRows, ProgramInfeasible
 from autopar.redistribute import plan_steps
 from autopar.solver.prune import reduce_problem
 
@@ -306,10 +306,10 @@ _REPRICE = 0.10
 
 def _reprice(ctx: PassContext, found: list) -> bool:
     """The joint program prices the collectives a recomputed region runs again at the least they can cost from
-    one end of their edge. Where its objective is more than _REPRICE below the same choice's in the program
-    with the chosen variants fixed (which prices them exactly), solve that program too and let the step
-    simulator take the faster plan (appended to `found`, the joint plan's simulated step set); True when it was
-    solved."""
+    one end of their edge. The joint plan takes the exact price of its choice (the program with the chosen
+    variants fixed prices them exactly) as its objective; where the joint objective was more than _REPRICE
+    below it, solve that program too and let the step simulator take the faster plan (appended to `found`, the
+    joint plan's simulated step set); True when it was solved."""
     from autopar.passes.simulate_step import simulate
 
     problem, out, reduced, result, variants, _ = found[0]
@@ -318,7 +318,12 @@ def _reprice(ctx: PassContext, found: list) -> bool:
     recompute_variants.apply(ctx, variants)
     _adopt(ctx, reduced, result)
     fixed = build_problem(ctx, None)
-    if fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}) <= result.objective_s * (1 + _REPRICE):
+    # The plan reports the exact price of its choice (the joint program's bound still holds).
+    exact = max(fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}), result.objective_s)
+    found[0] = (problem, out, reduced, dataclasses.replace(
+        result, objective_s=exact, optimal=exact - result.bound_s <= OPTIMALITY_TOLERANCE * exact,
+        stats=dict(result.stats, joint_objective_s=result.objective_s)), variants, found[0][5])
+    if exact <= result.objective_s * (1 + _REPRICE):
         return False
     found[0] = (*found[0][:5], simulate(ctx).step_time)
     try:

@@ -286,11 +286,12 @@ def test_recomputed_regions_redistribute_again_and_both_models_price_it():
 
 
 @pytest.mark.slow
-def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again_with_its_variants_fixed():
+def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again_with_its_variants_fixed(monkeypatch):
     """transformers BERT (hidden 64) on a (dp=2, tp=2) mesh at 0.7x of its unconstrained peak: the joint program
     prices the collectives its recomputed layers run again more than 10% below their cost, so the program with
     the chosen variant fixed is solved too, and its plan (faster by the step simulator) reports the exact price
-    of its choice and the joint program's bound."""
+    of its choice and the joint program's bound. A joint plan that is not solved again reports the exact price
+    of its choice too."""
     from autopar.passes import solve_placements as sp
     from autopar.testing.hf_models import MODELS
 
@@ -306,6 +307,15 @@ def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again
     assert fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}) == pytest.approx(stats["objective_s"],
                                                                                             rel=1e-9)
     assert stats["bound_s"] <= stats["objective_s"]
+    # Below the threshold the joint plan stands, and reports the exact price of its choice all the same.
+    monkeypatch.setattr(sp, "_REPRICE", float("inf"))
+    comp = compile_plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET, memory_limit_gb=limit))
+    stats, ctx = comp.ctx.solver_stats, comp.ctx
+    assert stats["recompute"] == "joint" and comp.plan.recomputed_stacks()
+    fixed = sp.build_problem(ctx, None)
+    exact = fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies})
+    assert stats["objective_s"] == pytest.approx(exact, rel=1e-9) and stats["joint_objective_s"] < exact * 0.95
+    assert stats["gap"] == pytest.approx(1 - stats["bound_s"] / exact, rel=1e-9)
 
 
 def _tiny_plan(limit_kib: float | None, recompute: str = "auto") -> Plan:

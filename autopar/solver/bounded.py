@@ -7,7 +7,7 @@
    binds, each parameter's most sharded storage (a small program, quick; RENS in the MIP literature). If its
    plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies of
    relaxations without memory rows that charge each strategy's bytes at the first relaxation's shadow prices
-   times a markup (`_priced_support`) and solve again: the relaxation fills the limit exactly by mixing
+   times a markup (`_priced_relaxation`) and solve again: the relaxation fills the limit exactly by mixing
    strategies, a plan needs room to spare. Where none of these admits a plan that fits (a limit near the
    smallest feasible peak), add a plan of least peak and solve again. The best of these plans is the warm
    start.
@@ -23,8 +23,10 @@ Every step is deterministic: the same inputs give the same plan unless the deadl
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable
 
@@ -34,7 +36,7 @@ from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpProblem, IlpResult, Prog
 from autopar.solver.prune import restricted_links
 
 _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - this as fractional)
-_MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_support)
+_MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_relaxation)
 _HALF_GAP = 0.025  # without a gap to prove, a warm start this far from the bound still tries the second one
 _WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
 
@@ -97,36 +99,46 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     from autopar.solver.highs import relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
-    t = time.perf_counter()
-    try:
-        lb, x, size = relaxation_highs(p, _remaining(deadline))
-    except SolverTimeout as e:
-        raise _timeout(e, seen) from None
-    prices = size.pop("memory_prices", [])
-    timings["relaxation_seconds"] = time.perf_counter() - t
-    if cutoff is not None and lb >= cutoff:
-        return None
-    binding = p.memory is not None and p.memory_limit is not None and p.memory.peak(
-        {k: {i: w for i, w in enumerate(v) if w > _SUPPORT} for k, v in x.items()}) >= p.memory_limit * (1 - 1e-9)
-    if all(max(v) > 1 - _SUPPORT for v in x.values()):
-        choice = {k: max(range(len(v)), key=v.__getitem__) for k, v in x.items()}
-        obj = p.objective(choice)
-        if obj - lb <= OPTIMALITY_TOLERANCE * obj:
-            stats = dict(size, backend=backend, status="OPTIMAL", memory_binds=binding, **timings)
-            return Bounded(IlpResult(choice, obj, lb, True, stats), "relaxation integral", False)
-    if on_progress:
-        on_progress("warm start from the relaxation")
-    t = time.perf_counter()
-    # Selectors (a layer stack's recompute variant) keep every strategy: a few columns each, and the relaxation
-    # mixes them where a plan takes one.
-    keep = _union(_support(x), {k: list(range(p.n_strategies[k])) for k in p.selectors()})
-    keep = _union(keep, _least_static(p)) if binding else keep
-    start = _warm_start(p, keep, backend, deadline, seen)
-    if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
-        keep = _priced_support(p, prices, keep, deadline)
-        second = _warm_start(p, keep, backend, deadline, seen)
-        if second is not None and (start is None or second.objective_s < start.objective_s):
-            start = second
+    limited = p.memory is not None and p.memory_limit is not None
+    with _Pool() as pool:
+        # The relaxation without memory rows (markup 0 below) does not need the bounded one's prices: it runs
+        # beside it, and is used only when memory binds.
+        free = pool.submit(_priced_relaxation, p, [], 0.0, deadline) if limited else None
+        t = time.perf_counter()
+        try:
+            lb, x, size = relaxation_highs(p, _remaining(deadline))
+        except SolverTimeout as e:
+            raise _timeout(e, seen) from None
+        prices = size.pop("memory_prices", [])
+        timings["relaxation_seconds"] = time.perf_counter() - t
+        if cutoff is not None and lb >= cutoff:
+            return None
+        binding = limited and p.memory.peak({k: {i: w for i, w in enumerate(v) if w > _SUPPORT}
+                                             for k, v in x.items()}) >= p.memory_limit * (1 - 1e-9)
+        if all(max(v) > 1 - _SUPPORT for v in x.values()):
+            choice = {k: max(range(len(v)), key=v.__getitem__) for k, v in x.items()}
+            obj = p.objective(choice)
+            if obj - lb <= OPTIMALITY_TOLERANCE * obj:
+                stats = dict(size, backend=backend, status="OPTIMAL", memory_binds=binding, **timings)
+                return Bounded(IlpResult(choice, obj, lb, True, stats), "relaxation integral", False)
+        if on_progress:
+            on_progress("warm start from the relaxation")
+        t = time.perf_counter()
+        # Selectors (a layer stack's recompute variant) keep every strategy: a few columns each, and the
+        # relaxation mixes them where a plan takes one.
+        keep = _union(_support(x), {k: list(range(p.n_strategies[k])) for k in p.selectors()})
+        keep = _union(keep, _least_static(p)) if binding else keep
+        # The relaxations with memory priced (_priced_relaxation) run beside the first warm start; they are
+        # used only when that start is not within half the gap.
+        priced = [free] + [pool.submit(_priced_relaxation, p, prices, m, deadline) for m in _MARKUPS if m] \
+            if binding else []
+        start = _warm_start(p, keep, backend, deadline, seen)
+        if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
+            for f in priced:
+                keep = _union(keep, f.result())
+            second = _warm_start(p, keep, backend, deadline, seen)
+            if second is not None and (start is None or second.objective_s < start.objective_s):
+                start = second
     if start is None and binding:
         # Near the smallest feasible peak the supports may admit no plan that fits: add a plan of small peak
         # found without a solver, then one of least peak.
@@ -149,25 +161,24 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     return out
 
 
-def _priced_support(p: IlpProblem, prices: list[float], keep: dict[str, list[int]], deadline: float | None
-                    ) -> dict[str, list[int]]:
-    """`keep` plus the strategies plans use when memory costs time: the relaxations of the program without
+def _priced_relaxation(p: IlpProblem, prices: list[float], markup: float, deadline: float | None
+                       ) -> dict[str, list[int]]:
+    """The strategies plans use when memory costs time: the support of the relaxation of the program without
     memory rows, each strategy charged its bytes at the bounded relaxation's shadow prices times a markup. At
     0 that is the unbounded plan (what to keep where memory is not tight); above 1 memory is priced above its
     marginal value, since the bounded relaxation fills the limit exactly by mixing strategies and a plan
-    needs room to spare. Each is an unbounded relaxation, several times faster than one with memory rows."""
+    needs room to spare. Each is an unbounded relaxation, several times faster than one with memory rows.
+    Empty when the deadline passes first."""
     from autopar.solver.highs import relaxation_highs
 
     mem, total = p.memory, sum(prices)
-    if not total:
-        return keep
-    weight = [0.0] * len(mem.terms)  # seconds per byte of each allocation term, summed over the points
-    for price, row in zip(prices, mem.weights):
-        for t, w in row.items():
-            weight[t] += price * w
-    for markup in _MARKUPS:
-        compute = {k: list(v) for k, v in p.compute.items()}
-        links = {(ln.key, ln.selector): [list(row) for row in ln.cost] for ln in p.links}
+    compute = {k: list(v) for k, v in p.compute.items()}
+    links = {(ln.key, ln.selector): [list(row) for row in ln.cost] for ln in p.links}
+    if markup and total:
+        weight = [0.0] * len(mem.terms)  # seconds per byte of each allocation term, summed over the points
+        for price, row in zip(prices, mem.weights):
+            for t, w in row.items():
+                weight[t] += price * w
         for k, v in mem.static.items():
             compute[k] = [c + markup * total * b for c, b in zip(compute[k], v)]
         for t, ((k, b), w) in enumerate(zip(mem.terms, weight)):
@@ -178,14 +189,44 @@ def _priced_support(p: IlpProblem, prices: list[float], keep: dict[str, list[int
                 cost = links[(k, cond[0])]
                 for s, x in enumerate(b):
                     cost[s][cond[1]] += markup * w * x
-        priced = [dataclasses.replace(ln, cost=links[(ln.key, ln.selector)]) for ln in p.links]
-        try:
-            _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
-                                                           links=priced), _remaining(deadline))
-        except (ProgramInfeasible, SolverTimeout):
-            return keep
-        keep = _union(keep, _support(x))
-    return keep
+    elif markup:
+        return {}
+    priced = [dataclasses.replace(ln, cost=links[(ln.key, ln.selector)]) for ln in p.links]
+    try:
+        _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
+                                                       links=priced), _remaining(deadline))
+    except (ProgramInfeasible, SolverTimeout):
+        return {}
+    return _support(x)
+
+
+class _Later:
+    """A call made when its result is first read (one core: nothing runs beside the caller)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.done = fn, args, False
+
+    def result(self):
+        if not self.done:
+            self.value, self.done = self.fn(*self.args), True
+        return self.value
+
+
+class _Pool(concurrent.futures.ThreadPoolExecutor):
+    """Runs independent solves beside the caller where the machine has a second core (HiGHS releases the GIL
+    while it solves; each solve is single-threaded and deterministic, so the plan does not depend on timing).
+    On one core a submitted call runs when its result is read, so work that turns out unneeded is not done."""
+
+    def __init__(self):
+        self.beside = (os.cpu_count() or 1) > 1
+        super().__init__(max_workers=1)
+
+    def submit(self, fn, /, *args):
+        return super().submit(fn, *args) if self.beside else _Later(fn, *args)
+
+    def __exit__(self, *exc):
+        self.shutdown(wait=True, cancel_futures=True)
+        return False
 
 
 def _least_peak(p: IlpProblem, backend: str, deadline: float | None) -> tuple[dict[str, list[int]], float]:
