@@ -136,7 +136,7 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
             for f in priced:
                 keep = _union(keep, f.result())
-            second = _warm_start(p, keep, backend, deadline, seen)
+            second = _warm_start(p, keep, backend, deadline, seen, start)  # from the first plan, an incumbent
             if second is not None and (start is None or second.objective_s < start.objective_s):
                 start = second
     if start is None and binding:
@@ -312,10 +312,15 @@ def _search(p: IlpProblem, start: IlpResult | None, gap: float, lb: float, backe
 
 
 def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadline: float | None,
-                seen: _Tracker) -> IlpResult | None:
-    """The best plan using only the strategies `keep` lists (None when they admit none)."""
+                seen: _Tracker, start: IlpResult | None = None) -> IlpResult | None:
+    """The best plan using only the strategies `keep` lists (None when they admit none), from `start`'s plan
+    where it has one (its strategies kept)."""
+    hint = None
+    if start is not None:
+        pos = {k: {o: i for i, o in enumerate(v)} for k, v in keep.items()}
+        hint = {k: pos[k][i] for k, i in start.choice.items()}
     try:
-        r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True)
+        r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True, hint=hint)
     except (ProgramInfeasible, SolverTimeout):
         return None
     choice = {k: keep[k][i] for k, i in r.choice.items()}

@@ -29,6 +29,9 @@ class Program:
     n_edge_vars: int = 0
     links: dict[tuple[str, str], list[list[int]]] = dataclasses.field(default_factory=dict)  # y[s][r] columns
     timed: set[int] = dataclasses.field(default_factory=set)
+    # Transportation columns per (source key, destination key, their layout classes): edges alike share them
+    # (a quiet axis's rows read the same pairs as the edge's price).
+    pairs: dict[tuple, dict[tuple[int, int], dict[int, float]]] = dataclasses.field(default_factory=dict)
 
     def column(self, integer: bool = False, cost: float = 0.0) -> int:
         self.integer.append(integer)
@@ -119,6 +122,9 @@ def _pair_indicators(prog: Program, e: IlpEdge) -> dict[tuple[int, int], dict[in
         for t, col in enumerate(xd):
             out.setdefault((0, e.dst_index[t]), {})[col] = 1.0
         return out
+    key = (e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), A, B)
+    if key in prog.pairs:
+        return prog.pairs[key]
     y = [[prog.column() for _ in range(B)] for _ in range(A)]
     prog.n_edge_vars += A * B
     for a in range(A):
@@ -129,7 +135,8 @@ def _pair_indicators(prog: Program, e: IlpEdge) -> dict[tuple[int, int], dict[in
         row = {y[a][b]: 1.0 for a in range(A)}
         row.update({col: -1.0 for t, col in enumerate(xd) if e.dst_index[t] == b})
         prog.rows.append((0.0, 0.0, row))
-    return {(a, b): {y[a][b]: 1.0} for a in range(A) for b in range(B)}
+    prog.pairs[key] = {(a, b): {y[a][b]: 1.0} for a in range(A) for b in range(B)}
+    return prog.pairs[key]
 
 
 def _link(prog: Program, ln: IlpLink) -> None:
