@@ -327,7 +327,7 @@ def _reprice(ctx: PassContext, found: list) -> bool:
         return False
     found[0] = (*found[0][:5], simulate(ctx).step_time)
     try:
-        again = _solve_one(ctx)
+        again = _solve_one(ctx, start=dict(ctx.choice))  # from the joint plan, which fits this program too
     except (ProgramInfeasible, SolverTimeout):  # the joint plan stands
         return False
     found.append((*again[:5], simulate(ctx).step_time))
@@ -357,9 +357,11 @@ def _adopt(ctx: PassContext, reduced, result) -> None:
     ctx.choice = expand_choice(ctx, choice)
 
 
-def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None) -> tuple:
+def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
+               start: dict[str, int] | None = None) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
-    program under ctx's recompute variants, or choosing the decided ones with `joint`."""
+    program under ctx's recompute variants, or choosing the decided ones with `joint`; from the plan `start`
+    (ctx.choice's keys) where one is given."""
     from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
     reserve = _reserve(ctx)
@@ -370,9 +372,10 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None) 
         # than a bucket goes alone), set that aside and solve again.
         problem = build_problem(ctx, float(ctx.memory_limit) - reserve, joint)
         reduced = reduce_problem(problem)
+        known = None if start is None else reduced.restrict({k: start[k] for k in problem.n_strategies})
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
-                                relative_gap=sc.relative_gap, on_progress=report)
+                                relative_gap=sc.relative_gap, on_progress=report, start=known)
         except SolverTimeout as e:
             smallest = getattr(e, "smallest_peak", None)
             if smallest is None:

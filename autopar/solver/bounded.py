@@ -66,8 +66,10 @@ class _Tracker:
 
 
 def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float | None,
-                  on_progress: Callable[[str], None] | None = None) -> Bounded:
-    out = _solve(p, backend, deadline, relative_gap, on_progress)
+                  on_progress: Callable[[str], None] | None = None, start: dict[str, int] | None = None) -> Bounded:
+    """The plan by the path in the module's docstring; `start`, a plan of p known beforehand, is kept in the
+    warm starts and starts them."""
+    out = _solve(p, backend, deadline, relative_gap, on_progress, start=start)
     # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
     # cannot price: when the expected wait is costly, offer the best plans that keep the worst axis, then every
     # costly axis, free of them.
@@ -94,7 +96,8 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
 
 
 def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float | None,
-           on_progress: Callable[[str], None] | None, cutoff: float | None = None) -> Bounded | None:
+           on_progress: Callable[[str], None] | None, cutoff: float | None = None,
+           start: dict[str, int] | None = None) -> Bounded | None:
     """The plan by the path above; None when the relaxation's bound is at least `cutoff` seconds."""
     from autopar.solver.highs import relaxation_highs
 
@@ -128,15 +131,19 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         # relaxation mixes them where a plan takes one.
         keep = _union(_support(x), {k: list(range(p.n_strategies[k])) for k in p.selectors()})
         keep = _union(keep, _least_static(p)) if binding else keep
+        known = start
+        if known is not None:
+            keep = _union(keep, {k: [i] for k, i in known.items()})
         # The relaxations with memory priced (_priced_relaxation) run beside the first warm start; they are
         # used only when that start is not within half the gap.
         priced = [free] + [pool.submit(_priced_relaxation, p, prices, m, deadline) for m in _MARKUPS if m] \
             if binding else []
-        start = _warm_start(p, keep, backend, deadline, seen)
+        start = _warm_start(p, keep, backend, deadline, seen, known)
         if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
             for f in priced:
                 keep = _union(keep, f.result())
-            second = _warm_start(p, keep, backend, deadline, seen, start)  # from the first plan, an incumbent
+            # From the first plan: HiGHS starts with an incumbent.
+            second = _warm_start(p, keep, backend, deadline, seen, None if start is None else start.choice)
             if second is not None and (start is None or second.objective_s < start.objective_s):
                 start = second
     if start is None and binding:
@@ -312,13 +319,13 @@ def _search(p: IlpProblem, start: IlpResult | None, gap: float, lb: float, backe
 
 
 def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadline: float | None,
-                seen: _Tracker, start: IlpResult | None = None) -> IlpResult | None:
-    """The best plan using only the strategies `keep` lists (None when they admit none), from `start`'s plan
-    where it has one (its strategies kept)."""
+                seen: _Tracker, start: dict[str, int] | None = None) -> IlpResult | None:
+    """The best plan using only the strategies `keep` lists (None when they admit none), from the plan `start`
+    where one is given (its strategies kept)."""
     hint = None
     if start is not None:
         pos = {k: {o: i for i, o in enumerate(v)} for k, v in keep.items()}
-        hint = {k: pos[k][i] for k, i in start.choice.items()}
+        hint = {k: pos[k][i] for k, i in start.items()}
     try:
         r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True, hint=hint)
     except (ProgramInfeasible, SolverTimeout):
