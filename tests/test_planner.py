@@ -130,6 +130,26 @@ def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv_and_recomputes_to_fi
 
 
 @pytest.mark.slow
+def test_llama3_70b_infeasible_verdict_is_not_inflated_by_gradient_buffers():
+    """Llama-3-70B on 8x8 H100, 8 sequences: at 30.8 GiB no plan fits. The plan of least memory rows reduces
+    several gradients alone (4.8 GiB of buffers at the end of the backward); the verdict names the smallest
+    peak of a plan whose buffers are counted, and 1% below that figure no plan fits either."""
+    def plan(limit_gb: float):
+        with torch.device("meta"):
+            model = Llama(LLAMA3_70B)
+        cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=limit_gb,
+                             solver=QUIET)
+        return autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(8, 8192, dtype=torch.long),),
+                            loss_fn=cross_entropy_loss, config=cfg)
+
+    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found .*needs [\d.]+ GiB") as e:
+        plan(30.8)
+    assert "gradient buckets" not in str(e.value)
+    with pytest.raises(autopar.InfeasibleMemoryError):
+        plan(0.99 * e.value.smallest_peak / 2**30)
+
+
+@pytest.mark.slow
 def test_llama3_70b_with_memory_unbounded_recomputes_nothing():
     p = _plan_70b(1e6)
     assert p.recompute["layers"]["variant"] == "keep" and "ac" not in p.techniques
