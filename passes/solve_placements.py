@@ -261,23 +261,17 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     found, smallest, timeout = [], None, None
     # Where keeping every activation fits whatever the placements, no selector is needed (nor built).
     joint = recompute_variants.joint(ctx) if ctx.recompute_offered and _may_bind(ctx) else None
-    # The program first sets aside `_reserve` for the gradient buffers; that is not a lower bound (a small
-    # model's sharded buffers take less), so where nothing fits it sets aside only what the plans' own buffers
-    # take before it gives up.
-    for reserve in (None, 0.0) if ctx.pipeline is None and _reserve(ctx) > 0 else (None,):
-        for variants in [joint.base] if joint is not None else recompute_variants.combinations(ctx):
-            recompute_variants.apply(ctx, variants)
-            try:
-                solved = _solve_one(ctx, joint, reserve=reserve)
-            except ProgramInfeasible:
-                continue
-            except SolverTimeout as e:
-                timeout = e
-                break
-            found.append(solved)
-            if not solved[1].result.stats.get("memory_binds", True):
-                break
-        if found or timeout is not None:
+    for variants in [joint.base] if joint is not None else recompute_variants.combinations(ctx):
+        recompute_variants.apply(ctx, variants)
+        try:
+            solved = _solve_one(ctx, joint)
+        except ProgramInfeasible:
+            continue
+        except SolverTimeout as e:
+            timeout = e
+            break
+        found.append(solved)
+        if not solved[1].result.stats.get("memory_binds", True):
             break
     repriced = joint is not None and found and _reprice(ctx, found)
     if not found:
@@ -364,14 +358,13 @@ def _adopt(ctx: PassContext, reduced, result) -> None:
 
 
 def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
-               start: dict[str, int] | None = None, reserve: float | None = None) -> tuple:
+               start: dict[str, int] | None = None) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
     program under ctx's recompute variants, or choosing the decided ones with `joint`; from the plan `start`
-    (ctx.choice's keys) where one is given; setting aside `reserve` bytes for the gradient buffers at first
-    (by default `_reserve`). ProgramInfeasible where no plan fits with its buffers."""
+    (ctx.choice's keys) where one is given. ProgramInfeasible where no plan fits with its gradient buffers."""
     from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
-    reserve = _reserve(ctx) if reserve is None else reserve
+    reserve = _reserve(ctx)
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
     for _ in range(4):
@@ -432,10 +425,9 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 
 
 def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
-    """The gradient buffers a plan needs beside its peak: what the program first sets aside, or more where
-    `choice`'s buckets take more (the program then sets that aside and solves again), so that a limit at the
-    verdict's figure plans. (With less set aside a smaller model's plan may fit below it, which the second
-    pass with the plans' own buffers finds only where solving again with them converges.)"""
+    """The gradient buffers a plan needs beside its peak: what the program sets aside, or more where `choice`'s
+    buckets take more (the program then sets that aside and solves again), so that a limit at the verdict's
+    figure plans."""
     from autopar.passes.simulate_step import grad_bucket_bytes
 
     if ctx.pipeline is not None:

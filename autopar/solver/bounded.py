@@ -69,7 +69,7 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
                   on_progress: Callable[[str], None] | None = None, start: dict[str, int] | None = None) -> Bounded:
     """The plan by the path in the module's docstring; `start`, a plan of p known beforehand, is kept in the
     warm starts and starts them."""
-    out = _solve(p, backend, deadline, relative_gap, on_progress, start=start)
+    out = _solve(p, backend, deadline, relative_gap, on_progress, known=start)
     # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
     # cannot price: when the expected wait is costly, offer the best plans that keep the worst axis, then every
     # costly axis, free of them.
@@ -97,8 +97,9 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
 
 def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float | None,
            on_progress: Callable[[str], None] | None, cutoff: float | None = None,
-           start: dict[str, int] | None = None) -> Bounded | None:
-    """The plan by the path above; None when the relaxation's bound is at least `cutoff` seconds."""
+           known: dict[str, int] | None = None) -> Bounded | None:
+    """The plan by the path above, from the plan `known` where one is given; None when the relaxation's bound
+    is at least `cutoff` seconds."""
     from autopar.solver.highs import relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
@@ -131,7 +132,6 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         # relaxation mixes them where a plan takes one.
         keep = _union(_support(x), {k: list(range(p.n_strategies[k])) for k in p.selectors()})
         keep = _union(keep, _least_static(p)) if binding else keep
-        known = start
         if known is not None:
             keep = _union(keep, {k: [i] for k, i in known.items()})
         # The relaxations with memory priced (_priced_relaxation) run beside the first warm start; they are
