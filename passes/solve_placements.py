@@ -14,8 +14,8 @@ from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
 from autopar.passes.memory_profile import candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
-from autopar.solver.bounded import least_memory
-from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpEdge, IlpLink, MemoryRows, ProgramInfeasible
+from autopar.solver.bounded import Bounded, least_memory
+from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpEdge, IlpLink, IlpResult, MemoryRows, ProgramInfeasible
 from autopar.redistribute import plan_steps
 from autopar.solver.prune import reduce_problem
 
@@ -277,7 +277,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     if not found:
         if timeout is not None:
             raise timeout from None
-        _raise_infeasible(ctx)
+        found.append(_fit_smallest(ctx, _smallest(ctx)))
     problem, out, reduced, result, variants, _ = min(found, key=lambda f: f[5])
     if repriced:  # the joint program's bound holds for every variant; the fixed one's for its own
         result = dataclasses.replace(result, bound_s=min(result.bound_s, found[0][3].bound_s))
@@ -358,21 +358,26 @@ def _adopt(ctx: PassContext, reduced, result) -> None:
 
 
 def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
-               start: dict[str, int] | None = None) -> tuple:
+               start: dict[str, int] | None = None, reserve: float | None = None) -> tuple:
     """(problem, solver output, reduced problem, fastest result, variants, simulated step) of the placement
     program under ctx's recompute variants, or choosing the decided ones with `joint`; from the plan `start`
-    (ctx.choice's keys) where one is given. ProgramInfeasible where no plan fits with its gradient buffers."""
+    (ctx.choice's keys) where one is given, setting aside `reserve` bytes for the gradient buffers (default:
+    _reserve). ProgramInfeasible where no plan fits with its gradient buffers; where `start` fits the first
+    program with its own buffers, it is the plan rather than that error."""
     from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
-    reserve = _reserve(ctx)
+    reserve = _reserve(ctx) if reserve is None else reserve
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
+    fallback = None  # (problem, reduced, start, bound): `start` fits a program with its own buffers
     for _ in range(4):
         # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
         # than a bucket goes alone), set that aside and solve again.
         problem = build_problem(ctx, float(ctx.memory_limit) - reserve, joint)
         reduced = reduce_problem(problem)
         known = None if start is None else reduced.restrict({k: start[k] for k in problem.n_strategies})
+        mine = fallback is None and known is not None and reduced.problem.fits(known) and _buckets(
+            ctx, start, own=True) <= reserve
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
                                 relative_gap=sc.relative_gap, on_progress=report, start=known)
@@ -381,14 +386,29 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             if smallest is None:
                 smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
             raise SolverTimeout(_timeout_message(ctx, smallest)) from None
+        except ProgramInfeasible:
+            if fallback is None:
+                raise
+            break
+        if mine:
+            fallback = (problem, reduced, known, out.result.bound_s)
         result = _fastest(ctx, reduced, [out.result] + out.alternatives)
         _adopt(ctx, reduced, result)
         buckets = 0.0 if ctx.pipeline is not None else grad_bucket_bytes(ctx)
         if buckets <= reserve:
+            fallback = None
             break
         reserve = buckets
     else:
-        raise ProgramInfeasible("the gradient buffers of every plan found take more than the limit leaves them")
+        if fallback is None:
+            raise ProgramInfeasible("the gradient buffers of every plan found take more than the limit leaves them")
+    if fallback is not None:  # nothing faster fits with its buffers: the plan `start`
+        problem, reduced, known, bound = fallback
+        obj = reduced.problem.objective(known)
+        result = IlpResult(known, obj, min(bound, obj), obj - bound <= OPTIMALITY_TOLERANCE * obj,
+                           {"status": "FEASIBLE", "memory_binds": True})
+        out = Bounded(result, "plan of least peak", False)
+        _adopt(ctx, reduced, result)
     step = simulate(ctx).step_time if joint is None and len(recompute_variants.combinations(ctx)) > 1 else 0.0
     return problem, out, reduced, result, dict(ctx.recompute), step
 
@@ -424,16 +444,15 @@ def fmt_mem(nbytes: float, scale: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
-    """The gradient buffers a plan needs beside its peak: what the program sets aside, or more where `choice`'s
-    buckets take more (the program then sets that aside and solves again), so that a limit at the verdict's
-    figure plans."""
+def _buckets(ctx: PassContext, choice: dict[str, int], own: bool = False) -> float:
+    """The gradient buffers a plan needs beside its peak: its own (`own`), or what the program sets aside where
+    that is more."""
     from autopar.passes.simulate_step import grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return max(_reserve(ctx), grad_bucket_bytes(ctx))
+    return grad_bucket_bytes(ctx) if own else max(_reserve(ctx), grad_bucket_bytes(ctx))
 
 
 def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> dict[str, int] | None:
@@ -455,12 +474,13 @@ def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> d
     except (ProgramInfeasible, SolverTimeout):
         return None
     other = expand_choice(ctx, reduced.expand(out.result.choice))
-    return other if sum(memory_profile(ctx).peak(other)[:2]) + _buckets(ctx, other) < figure else None
+    return other if sum(memory_profile(ctx).peak(other)[:2]) + _buckets(ctx, other, own=True) < figure else None
 
 
-def _raise_infeasible(ctx: PassContext) -> None:
-    """Minimize the peak (no limit) and say how far it is from fitting, and what fills it: over every recompute
-    variant the solver may choose, the smallest."""
+def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
+    """Minimize the peak (no limit) over every recompute variant the solver may choose: (the smallest peak
+    found, with the plan's own gradient buffers; its variants; its plan). InfeasibleMemoryError where the time
+    limit runs out first."""
     from autopar.solver import solve
 
     smallest = None
@@ -477,15 +497,40 @@ def _raise_infeasible(ctx: PassContext) -> None:
                 "smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
                 "memory_limit_gb.") from None
         choice = expand_choice(ctx, reduced.expand(best.choice))
-        peak = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice)
+        peak = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice, own=True)
         if smallest is None or peak < smallest[0]:
             smallest = (peak, variants, choice)
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
-    choice = _fewer_buckets(ctx, choice, figure) or choice
+    other = _fewer_buckets(ctx, choice, figure)
+    if other is not None:
+        choice = other
+        figure = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice, own=True)
+    return figure, variants, choice
+
+
+def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
+    """Where no program found a plan that fits with the gradient buffers it sets aside (all gradients at full
+    size, or one bucket: more than many plans need), the plan of least peak may still fit with its own: then
+    the fastest plan that fits with as much set aside as that plan's buffers, or that plan itself. Else the
+    infeasible verdict."""
+    figure, variants, choice = smallest
+    if figure > ctx.memory_limit:
+        _raise_infeasible(ctx, smallest)
+    recompute_variants.apply(ctx, variants)
+    try:
+        return _solve_one(ctx, start=choice, reserve=_buckets(ctx, choice, own=True))
+    except (ProgramInfeasible, SolverTimeout):
+        _raise_infeasible(ctx, smallest)
+
+
+def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
+    """Say how far the smallest peak is from fitting, and what fills it."""
+    figure, variants, choice = smallest
+    recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
-    reserve = _buckets(ctx, choice)
+    reserve = _buckets(ctx, choice, own=True)
     static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers.append((reserve, "gradient buckets"))

@@ -222,7 +222,9 @@ class _Later:
 class _Pool(concurrent.futures.ThreadPoolExecutor):
     """Runs independent solves beside the caller where the machine has a second core (HiGHS releases the GIL
     while it solves; each solve is single-threaded and deterministic, so the plan does not depend on timing).
-    On one core a submitted call runs when its result is read, so work that turns out unneeded is not done."""
+    On one core a submitted call runs when its result is read, so work that turns out unneeded is not done.
+    Leaving the pool does not wait for a solve whose result was not read: it ends on its own thread (HiGHS
+    cannot be interrupted in an LP) while the caller goes on."""
 
     def __init__(self):
         self.beside = (os.cpu_count() or 1) > 1
@@ -232,7 +234,7 @@ class _Pool(concurrent.futures.ThreadPoolExecutor):
         return super().submit(fn, *args) if self.beside else _Later(fn, *args)
 
     def __exit__(self, *exc):
-        self.shutdown(wait=True, cancel_futures=True)
+        self.shutdown(wait=False, cancel_futures=True)
         return False
 
 
