@@ -275,8 +275,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
     of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others), and
     the produced gradients reduced one by one (issued as soon as they exist and waited for at the end, so their
     inputs live until then)."""
-    from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES, bucketed
-    from autopar.redistribute import plan_steps
+    from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
     if ctx.microbatches > 1:  # reduced once per step from the accumulated gradients (counted apart)
         return 0.0
@@ -286,14 +285,11 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         u, idx = producer(ctx.captured.grads[fqn])
         pnode = ctx.captured.params[fqn]
         src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
-        steps = plan_steps(tuple(src), tuple(dst))
-        axes = bucketed(steps)
-        size = local_bytes(tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype, src, ctx.mesh.shape)
-        if axes is None:
-            if any(st.is_comm for st in steps):  # issued at once, waited for at the end: its input lives
-                alone += size * _scale(ctx, pnode)[1]
-            continue
-        kinds.setdefault((steps[0].kind, axes), []).extend([size] * max(1, round(_scale(ctx, pnode)[1])))
+        kind, size, count = grad_reduction(ctx, src, dst, pnode)
+        if kind == ALONE:
+            alone += size * count
+        elif kind is not None:
+            kinds.setdefault(kind, []).extend([size] * count)
     largest = 0.0
     for kind, sizes in kinds.items():
         first = FIRST_BUCKET_BYTES if kind[0] == "all_reduce" else None
@@ -305,6 +301,39 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
             total += size
             largest = max(largest, total)
     return largest + alone
+
+
+ALONE = "alone"  # grad_reduction's kind of a gradient reduced by itself
+
+
+def grad_reduction(ctx: PassContext, src: tuple, dst: tuple, pnode: fx.Node) -> tuple:
+    """How a gradient produced in layout `src` reaches its parameter's layout `dst`: (its bucket's kind (the
+    collective and its axes), ALONE where it is redistributed by itself, or None where it needs no collective;
+    its local bytes; how many of it (layers captured once))."""
+    from autopar.codegen.grad_sync import bucketed
+    from autopar.redistribute import plan_steps
+
+    steps = plan_steps(tuple(src), tuple(dst))
+    axes = bucketed(steps)
+    size = local_bytes(tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype, src, ctx.mesh.shape)
+    scale = _scale(ctx, pnode)[1]
+    if axes is not None:
+        return (steps[0].kind, axes), size, max(1, round(scale))
+    return (ALONE if any(st.is_comm for st in steps) else None), size, scale
+
+
+def grads_in_one_bucket(ctx: PassContext) -> bool:
+    """Whether every kind of gradient reduction fills a single bucket whatever the placements (all gradients
+    at full size fit the first one): then grad_bucket_bytes is linear in the (producer, parameter) layout
+    pairs but for a largest-of over kinds, and the integer program counts it exactly."""
+    from autopar.codegen.grad_sync import FIRST_BUCKET_BYTES
+
+    if ctx.microbatches > 1 or ctx.pipeline is not None:
+        return False
+    size = torch.tensor([], dtype=ctx.precision.grad_dtype).element_size()
+    total = sum(math.prod(p.meta["val"].shape) * size * max(1, round(_scale(ctx, p)[1]), _scale(ctx, p)[1])
+                for p in (ctx.captured.params[f] for f in ctx.captured.grads))
+    return total <= FIRST_BUCKET_BYTES
 
 
 def bucket_reserve(ctx: PassContext) -> float:

@@ -12,6 +12,7 @@ import torch.fx as fx
 from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
+from autopar.passes.annotate_shapes import producer
 from autopar.passes.memory_profile import candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.bounded import Bounded, least_memory
@@ -203,8 +204,9 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
             cols.append(joint.weight[(s, v)][:, c])
     weight = np.stack(cols, axis=1) if cols else prof.weight
     points = candidate_points(weight)
+    rows = MemoryRows({}, [], [], buffers=_grad_buffers(ctx))
     if limit is not None and points:
-        static_max = sum(float(np.max(v)) for v in prof.static.values())
+        static_max = sum(float(np.max(v)) for v in prof.static.values()) + rows.most_buffered()
         term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
         points = [i for i in points if static_max + float(weight[i] @ term_max) > limit]
     weights = [{t: float(w) for t, w in enumerate(weight[i]) if w} for i in points]
@@ -215,7 +217,46 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
                 static[k] = [a + b for a, b in zip(static[k], extra)]
             else:
                 static[k] = extra
-    return MemoryRows(static, terms, weights, conditions if joint is not None else [])
+    return MemoryRows(static, terms, weights, conditions if joint is not None else [], rows.buffers)
+
+
+def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
+    """The gradient buckets (simulate_step.grad_bucket_bytes) as the program's buffers, where each kind of
+    reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, each
+    gradient's bytes on the (producer layout, parameter layout) pairs reduced that way, and on every kind's
+    list the gradients reduced alone. Elsewhere none: the program sets aside _reserve instead. Built once."""
+    from autopar.passes.simulate_step import ALONE, grad_reduction, grads_in_one_bucket
+
+    when = (ctx.microbatches, ctx.pipeline is None)
+    if ctx.grad_buffers is not None and ctx.grad_buffers[0] == when:
+        return ctx.grad_buffers[1]
+    ctx.grad_buffers = (when, [])
+    if not grads_in_one_bucket(ctx):
+        return []
+    kinds: dict[tuple, list[IlpEdge]] = {}
+    alone: list[IlpEdge] = []
+    for fqn, g in ctx.captured.grads.items():
+        u, idx = producer(g)
+        pnode = ctx.captured.params[fqn]
+        ends = []
+        for key, out in ((ctx.key[u], idx), (ctx.key[pnode], 0)):
+            root, smap = _root(ctx, key)
+            lays = [ctx.strategies[key][i if smap is None else smap[i]].outs[out]
+                    for i in range(len(ctx.strategies[root]))]
+            classes = list(dict.fromkeys(lays))
+            ends.append((root, classes, [classes.index(lay) for lay in lays]))
+        (src, a_lays, a_idx), (dst, b_lays, b_idx) = ends
+        mats: dict = {}
+        for a, la in enumerate(a_lays):
+            for b, lb in enumerate(b_lays):
+                kind, size, count = grad_reduction(ctx, la, lb, pnode)
+                if kind is not None:
+                    mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = size * count
+        for kind, m in mats.items():
+            e = IlpEdge(src, dst, a_idx, b_idx, m.tolist())
+            (alone if kind == ALONE else kinds.setdefault(kind, [])).append(e)
+    ctx.grad_buffers = (when, [edges + alone for edges in kinds.values()] or ([alone] if alone else []))
+    return ctx.grad_buffers[1]
 
 
 def _accumulation_rows(ctx: PassContext) -> dict[str, list[float]]:
@@ -342,10 +383,11 @@ def _may_bind(ctx: PassContext) -> bool:
 
 
 def _reserve(ctx: PassContext) -> float:
-    """What the program sets aside from the limit for the gradient buckets (none under a pipeline)."""
+    """What the program sets aside from the limit for the gradient buckets (none under a pipeline, nor where
+    its rows count them: _grad_buffers)."""
     from autopar.passes.simulate_step import bucket_reserve
 
-    return 0.0 if ctx.pipeline is not None else bucket_reserve(ctx)
+    return 0.0 if ctx.pipeline is not None or _grad_buffers(ctx) else bucket_reserve(ctx)
 
 
 def _adopt(ctx: PassContext, reduced, result) -> None:
@@ -376,8 +418,8 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         problem = build_problem(ctx, float(ctx.memory_limit) - reserve, joint)
         reduced = reduce_problem(problem)
         known = None if start is None else reduced.restrict({k: start[k] for k in problem.n_strategies})
-        mine = fallback is None and known is not None and reduced.problem.fits(known) and _buckets(
-            ctx, start, own=True) <= reserve
+        mine = fallback is None and known is not None and reduced.problem.fits(known) and (
+            bool(_grad_buffers(ctx)) or _buckets(ctx, start, own=True) <= reserve)
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
                                 relative_gap=sc.relative_gap, on_progress=report, start=known)
@@ -394,7 +436,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             fallback = (problem, reduced, known, out.result.bound_s)
         result = _fastest(ctx, reduced, [out.result] + out.alternatives)
         _adopt(ctx, reduced, result)
-        buckets = 0.0 if ctx.pipeline is not None else grad_bucket_bytes(ctx)
+        buckets = 0.0 if ctx.pipeline is not None or _grad_buffers(ctx) else grad_bucket_bytes(ctx)
         if buckets <= reserve:
             fallback = None
             break
@@ -464,7 +506,7 @@ def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> d
     from autopar.passes.simulate_step import grad_bucket_bytes
 
     ctx.choice = choice
-    if ctx.pipeline is not None or grad_bucket_bytes(ctx) <= _reserve(ctx):
+    if ctx.pipeline is not None or _grad_buffers(ctx) or grad_bucket_bytes(ctx) <= _reserve(ctx):
         return None
     problem = build_problem(ctx, sum(memory_profile(ctx).peak(choice)[:2]) * (1 + 1e-3))
     reduced = reduce_problem(problem)

@@ -199,9 +199,14 @@ def _priced_relaxation(p: IlpProblem, prices: list[float], markup: float, deadli
     elif markup:
         return {}
     priced = [dataclasses.replace(ln, cost=links[(ln.key, ln.selector)]) for ln in p.links]
+    edges = list(p.edges)
+    if markup and total:  # every point holds the buffers: their pairs' bytes at the points' total price
+        edges += [dataclasses.replace(e, cost=[[markup * total * b for b in row] for row in e.cost], group=None,
+                                      axis_cost=None, contends=None, layered=False)
+                  for e in {id(e): e for buf in mem.buffers for e in buf}.values()]
     try:
         _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
-                                                       links=priced), _remaining(deadline))
+                                                       links=priced, edges=edges), _remaining(deadline))
     except (ProgramInfeasible, SolverTimeout):
         return {}
     return _support(x)

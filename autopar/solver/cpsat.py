@@ -12,7 +12,7 @@ from ortools.sat.python import cp_model
 from autopar.solver.ilp import (BYTES_PER_CPSAT_MEMORY_UNIT, OPTIMALITY_TOLERANCE, SECONDS_PER_CPSAT_TIME_UNIT,
                                 IlpProblem, IlpResult, ProgramInfeasible)
 from autopar.errors import SolverTimeout
-from autopar.solver.program import build_program, expanded_memory_rows
+from autopar.solver.program import build_program, expanded_memory_rows, has_memory
 
 
 def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: dict[str, int] | None,
@@ -39,10 +39,19 @@ def solve_cpsat(p: IlpProblem, remaining: float | None, objective: str, hint: di
         else:
             m.Add(expr <= int(hi))
     mem_rows = [sum(math.ceil(b / BYTES_PER_CPSAT_MEMORY_UNIT) * v[col] for col, b in row.items())
-                for row in expanded_memory_rows(prog)] if (prog.static or prog.terms) else []
+                for row in expanded_memory_rows(prog) or [dict(prog.static)]] if has_memory(prog) else []
+    buffer_top = 0
+    if prog.buffers:  # every row holds the largest buffer
+        rounded = [{col: math.ceil(b / BYTES_PER_CPSAT_MEMORY_UNIT) for col, b in coefs.items()}
+                   for coefs in prog.buffers]
+        buffer_top = max(sum(r.values()) for r in rounded)
+        buffer = m.NewIntVar(0, buffer_top, "buffer")
+        for r in rounded:
+            m.Add(buffer >= sum(c * v[col] for col, c in r.items()))
+        mem_rows = [expr + buffer for expr in mem_rows]
     if objective == "peak":
         bound = sum(max(math.ceil(b / BYTES_PER_CPSAT_MEMORY_UNIT) for b in row.values()) if row else 0
-                    for row in expanded_memory_rows(prog)) + 1
+                    for row in expanded_memory_rows(prog)) + buffer_top + 1
         peak = m.NewIntVar(0, bound, "peak")
         for expr in mem_rows:
             m.Add(expr <= peak)

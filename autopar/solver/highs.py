@@ -18,7 +18,7 @@ from ortools.math_opt.python import init_arguments
 from autopar.solver.ilp import (BYTES_PER_HIGHS_MEMORY_UNIT, OPTIMALITY_TOLERANCE, SECONDS_PER_HIGHS_TIME_UNIT,
                                 IlpProblem, IlpResult, ProgramInfeasible)
 from autopar.errors import SolverTimeout
-from autopar.solver.program import Program, build_program
+from autopar.solver.program import Program, build_program, has_memory
 
 _T = result_pb2.TerminationReasonProto
 _INF = float("inf")
@@ -99,7 +99,7 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
     x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
-    n_points = len(prog.points) if prog.static or prog.terms else 0
+    n_points = len(prog.points) if has_memory(prog) else 0
     duals = res.solutions[0].dual_solution.dual_values
     dual = dict(zip(duals.ids, duals.values))
     rows = len(proto.linear_constraints.ids)
@@ -149,7 +149,7 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     rows = [(lo, hi, {c: (v if c in prog.timed else v / tu) for c, v in r.items()} if prog.timed.intersection(r)
              else dict(r)) for lo, hi, r in prog.rows]
     peak_col = None
-    if prog.static or prog.terms:
+    if has_memory(prog):
         u = BYTES_PER_HIGHS_MEMORY_UNIT
 
         def aux(coefs: dict[int, float]) -> int:
@@ -165,6 +165,17 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
 
         static = aux(prog.static)
         terms = [aux(t) for t in prog.terms]
+        buffer = None
+        if prog.buffers:  # B >= each buffer; every point holds B
+            buffer = len(cols_lb)
+            cols_lb.append(0.0)
+            cols_ub.append(_INF)
+            integer.append(False)
+            cost.append(0.0)
+            for coefs in prog.buffers:
+                row = {c: -b / u for c, b in coefs.items()}
+                row[buffer] = 1.0
+                rows.append((0.0, _INF, row))
         limit = _INF if objective == "peak" or prog.memory_limit is None else prog.memory_limit / u
         if objective == "peak":
             peak_col = len(cols_lb)
@@ -173,7 +184,7 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
             integer.append(False)
             cost.append(1.0)
         for point in prog.points or [{}]:
-            row = {static: 1.0}
+            row = {static: 1.0} if buffer is None else {static: 1.0, buffer: 1.0}
             for t, w in point.items():
                 row[terms[t]] = row.get(terms[t], 0.0) + w
             if peak_col is not None:

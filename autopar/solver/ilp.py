@@ -99,6 +99,9 @@ class MemoryRows:
     terms: list[tuple[str, Sequence[float]]]
     weights: list[dict[int, float]]
     conditions: list[tuple[str, int] | None] = dataclasses.field(default_factory=list)
+    # Every row also holds the largest of these buffers (the gradient buckets of each kind of reduction), each
+    # a sum over edges of bytes per (source layout, destination layout) pair: `cost` holds bytes.
+    buffers: list[list[IlpEdge]] = dataclasses.field(default_factory=list)
 
     def condition(self, t: int) -> tuple[str, int] | None:
         return self.conditions[t] if self.conditions else None
@@ -109,14 +112,20 @@ class MemoryRows:
 
     def peak(self, x: dict[str, dict[int, float]]) -> float:
         """The largest row at a fractional point: x[key] maps strategies to their weights (a conditional term
-        counts at its selector's weight of the condition, as if the two were independent)."""
+        counts at its selector's weight of the condition, a buffer's pair at the product of its ends' weights, as
+        if they were independent)."""
         base = sum(sum(w * v[i] for i, w in x[k].items()) for k, v in self.static.items())
         term = []
         for t, (k, b) in enumerate(self.terms):
             c = self.condition(t)
             share = 1.0 if c is None else x[c[0]].get(c[1], 0.0)
             term.append(share * sum(w * b[i] for i, w in x[k].items()))
-        return base + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
+        buffer = max((sum(_pair_value(e, x) for e in edges) for edges in self.buffers), default=0.0)
+        return base + buffer + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
+
+    def most_buffered(self) -> float:
+        """The largest any choice's buffers can be."""
+        return max((sum(max(map(max, e.cost)) for e in edges) for edges in self.buffers), default=0.0)
 
     def restricted(self, kept: dict[str, list[int]]) -> "MemoryRows":
         """The rows over the strategies `kept` lists per key; a term conditional on a dropped selector strategy
@@ -134,7 +143,18 @@ class MemoryRows:
         weights = [{new[t]: w for t, w in row.items() if t in new} for row in self.weights]
         return MemoryRows({k: [v[i] for i in kept[k]] for k, v in self.static.items()},
                           [(k, [b[i] for i in kept[k]]) for k, b in (self.terms[t] for t in live)], weights,
-                          conditions if self.conditions else [])
+                          conditions if self.conditions else [],
+                          [[e.restricted(kept) for e in edges] for edges in self.buffers])
+
+
+def _pair_value(e: IlpEdge, x: dict[str, dict[int, float]]) -> float:
+    """An edge's matrix at a fractional point (its ends' weights taken as independent)."""
+    if e.dst is None:
+        return sum(w * e.cost[e.src_index[i]][0] for i, w in x[e.src].items())
+    if e.src == e.dst:
+        return sum(w * e.cost[e.src_index[i]][e.dst_index[i]] for i, w in x[e.src].items())
+    return sum(w * v * e.cost[e.src_index[i]][e.dst_index[j]] for i, w in x[e.src].items()
+               for j, v in x[e.dst].items())
 
 
 @dataclasses.dataclass

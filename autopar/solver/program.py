@@ -26,6 +26,8 @@ class Program:
     static: dict[int, float] = dataclasses.field(default_factory=dict)
     terms: list[dict[int, float]] = dataclasses.field(default_factory=list)
     points: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # Every point also holds the largest of these buffers (bytes per column; MemoryRows.buffers).
+    buffers: list[dict[int, float]] = dataclasses.field(default_factory=list)
     n_edge_vars: int = 0
     links: dict[tuple[str, str], list[list[int]]] = dataclasses.field(default_factory=dict)  # y[s][r] columns
     timed: set[int] = dataclasses.field(default_factory=set)
@@ -166,10 +168,24 @@ def _memory_rows(prog: Program, p: IlpProblem) -> None:
             y = prog.links[(k, c[0])]
             prog.terms.append({y[s][c[1]]: float(b) for s, b in enumerate(v) if b})
     prog.points = [dict(row) for row in mem.weights]
+    prog.buffers = []
+    for edges in mem.buffers:
+        coefs: dict[int, float] = {}
+        for e in edges:
+            for (a, b), ind in _pair_indicators(prog, e).items():
+                if e.cost[a][b]:
+                    for col, c in ind.items():
+                        coefs[col] = coefs.get(col, 0.0) + c * float(e.cost[a][b])
+        prog.buffers.append(coefs)
+
+
+def has_memory(prog: Program) -> bool:
+    """Whether the program has memory rows."""
+    return bool(prog.static or prog.terms or prog.buffers)
 
 
 def expanded_memory_rows(prog: Program) -> list[dict[int, float]]:
-    """Each candidate point's row over x alone (bytes per column)."""
+    """Each candidate point's row over x alone (bytes per column), without the buffers."""
     out = []
     for row in prog.points:
         coefs = dict(prog.static)

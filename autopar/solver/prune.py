@@ -78,6 +78,8 @@ def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped, side) 
     if p.memory is not None:
         cols += [np.asarray(v, dtype=float)[:, None] for k, v in p.memory.static.items() if k == key]
         cols += [np.asarray(b, dtype=float)[:, None] for k, b in p.memory.terms if k == key]
+        for e in {id(e): e for edges in p.memory.buffers for e in edges}.values():
+            _edge_columns(cols, key, e, np.asarray(e.cost, dtype=float))
     for src, dst, si, di, cost in edges:
         if src == key:
             cols.append(cost[si, :])
