@@ -209,6 +209,8 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
         static_max = sum(float(np.max(v)) for v in prof.static.values()) + rows.most_buffered()
         term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
         points = [i for i in points if static_max + float(weight[i] @ term_max) > limit]
+        if not points:  # no row can exceed the limit, whatever the buffers
+            rows.buffers = []
     weights = [{t: float(w) for t, w in enumerate(weight[i]) if w} for i in points]
     static = {k: [float(x) for x in v] for k, v in prof.static.items()}
     if ctx.microbatches > 1:

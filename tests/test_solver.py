@@ -258,30 +258,37 @@ def _linked_problem(rng: random.Random) -> IlpProblem:
 def test_linked_selectors_solve_exactly(backend):
     """A program with a selector key (how recompute variants enter the placement program) against exhaustive
     enumeration of IlpProblem.objective and MemoryRows.usage, directly, after pruning, and on the fast path."""
+    rng = random.Random(0)
+    checked = sum(_solves_as_enumerated(_linked_problem(rng), backend) for _ in range(25))
+    assert checked >= 10  # most draws are feasible: the test exercises the solve, not only the verdict
+
+
+def _solves_as_enumerated(p: IlpProblem, backend: str, peak: bool = False) -> bool:
+    """Check the solve against exhaustive enumeration of IlpProblem.objective and MemoryRows.usage: directly,
+    after pruning, on the fast path (and minimizing the peak with `peak`). True where some choice fits."""
     from autopar.solver import solve_bounded
     from autopar.solver.prune import reduce_problem
 
-    rng, checked = random.Random(0), 0
-    for _ in range(25):
-        p = _linked_problem(rng)
-        keys = sorted(p.n_strategies)
-        fits = [c for c in (dict(zip(keys, v)) for v in itertools.product(*(range(p.n_strategies[k]) for k in keys)))
-                if p.memory.usage(c) <= p.memory_limit]
-        if not fits:
-            with pytest.raises(ProgramInfeasible):
-                solve(p, backend=backend)
-            continue
-        best = min(p.objective(c) for c in fits)
-        r = solve(p, backend=backend)
-        assert p.fits(r.choice) and p.objective(r.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        reduced = reduce_problem(p)
-        rr = solve(reduced.problem, backend=backend)
-        assert p.objective(reduced.expand(rr.choice)) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        fast = solve_bounded(p, backend=backend, deadline=None, relative_gap=0.0).result
-        assert p.fits(fast.choice) and p.objective(fast.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        assert fast.bound_s <= best * (1 + 1e-6)
-        checked += 1
-    assert checked >= 10  # most draws are feasible: the test exercises the solve, not only the verdict
+    keys = sorted(p.n_strategies)
+    every = [dict(zip(keys, v)) for v in itertools.product(*(range(p.n_strategies[k]) for k in keys))]
+    if peak:
+        least = solve(dataclasses.replace(p, memory_limit=None), backend=backend, objective="peak")
+        assert p.memory.usage(least.choice) == pytest.approx(min(map(p.memory.usage, every)), rel=1e-9)
+    fits = [c for c in every if p.memory.usage(c) <= p.memory_limit]
+    if not fits:
+        with pytest.raises(ProgramInfeasible):
+            solve(p, backend=backend)
+        return False
+    best = min(p.objective(c) for c in fits)
+    r = solve(p, backend=backend)
+    assert p.fits(r.choice) and p.objective(r.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
+    reduced = reduce_problem(p)
+    rr = solve(reduced.problem, backend=backend)
+    assert p.objective(reduced.expand(rr.choice)) == pytest.approx(best, rel=1e-6, abs=1e-12)
+    fast = solve_bounded(p, backend=backend, deadline=None, relative_gap=0.0).result
+    assert p.fits(fast.choice) and p.objective(fast.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
+    assert fast.bound_s <= best * (1 + 1e-6)
+    return True
 
 
 def _buffered_problem(rng: random.Random) -> IlpProblem:
@@ -309,32 +316,8 @@ def test_buffers_solve_exactly(backend):
     """A program whose rows hold the largest of several buffers over layout pairs against exhaustive
     enumeration of IlpProblem.objective and MemoryRows.usage: directly, after pruning, on the fast path, and
     minimizing the peak."""
-    from autopar.solver import solve_bounded
-    from autopar.solver.prune import reduce_problem
-
-    rng, checked = random.Random(1), 0
-    for _ in range(25):
-        p = _buffered_problem(rng)
-        keys = sorted(p.n_strategies)
-        every = [dict(zip(keys, v)) for v in itertools.product(*(range(p.n_strategies[k]) for k in keys))]
-        least = min(p.memory.usage(c) for c in every)
-        peak = solve(dataclasses.replace(p, memory_limit=None), backend=backend, objective="peak")
-        assert p.memory.usage(peak.choice) == pytest.approx(least, rel=1e-9)
-        fits = [c for c in every if p.memory.usage(c) <= p.memory_limit]
-        if not fits:
-            with pytest.raises(ProgramInfeasible):
-                solve(p, backend=backend)
-            continue
-        best = min(p.objective(c) for c in fits)
-        r = solve(p, backend=backend)
-        assert p.fits(r.choice) and p.objective(r.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        reduced = reduce_problem(p)
-        rr = solve(reduced.problem, backend=backend)
-        assert p.objective(reduced.expand(rr.choice)) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        fast = solve_bounded(p, backend=backend, deadline=None, relative_gap=0.0).result
-        assert p.fits(fast.choice) and p.objective(fast.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
-        checked += 1
-    assert checked >= 10
+    rng = random.Random(1)
+    assert sum(_solves_as_enumerated(_buffered_problem(rng), backend, peak=True) for _ in range(25)) >= 10
 
 
 def _grouped_problem(rng: random.Random) -> IlpProblem:

@@ -144,7 +144,14 @@ class MemoryRows:
         return MemoryRows({k: [v[i] for i in kept[k]] for k, v in self.static.items()},
                           [(k, [b[i] for i in kept[k]]) for k, b in (self.terms[t] for t in live)], weights,
                           conditions if self.conditions else [],
-                          [[e.restricted(kept) for e in edges] for edges in self.buffers])
+                          _restricted_buffers(self.buffers, kept))
+
+
+def _restricted_buffers(buffers: list[list[IlpEdge]], kept: dict[str, list[int]]) -> list[list[IlpEdge]]:
+    """Buffers over the kept strategies; an edge on several buffers stays one object (counted once where the
+    buffers are summed)."""
+    done: dict[int, IlpEdge] = {}
+    return [[done.setdefault(id(e), e.restricted(kept)) for e in edges] for edges in buffers]
 
 
 def _pair_value(e: IlpEdge, x: dict[str, dict[int, float]]) -> float:
