@@ -204,13 +204,14 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
             cols.append(joint.weight[(s, v)][:, c])
     weight = np.stack(cols, axis=1) if cols else prof.weight
     points = candidate_points(weight)
-    rows = MemoryRows({}, [], [], buffers=_grad_buffers(ctx))
+    buffers = _grad_buffers(ctx)
     if limit is not None and points:
-        static_max = sum(float(np.max(v)) for v in prof.static.values()) + rows.most_buffered()
+        most = MemoryRows({}, [], [], buffers=buffers).most_buffered()
+        static_max = sum(float(np.max(v)) for v in prof.static.values()) + most
         term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
         points = [i for i in points if static_max + float(weight[i] @ term_max) > limit]
         if not points:  # no row can exceed the limit, whatever the buffers
-            rows.buffers = []
+            buffers = []
     weights = [{t: float(w) for t, w in enumerate(weight[i]) if w} for i in points]
     static = {k: [float(x) for x in v] for k, v in prof.static.items()}
     if ctx.microbatches > 1:
@@ -219,7 +220,7 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
                 static[k] = [a + b for a, b in zip(static[k], extra)]
             else:
                 static[k] = extra
-    return MemoryRows(static, terms, weights, conditions if joint is not None else [], rows.buffers)
+    return MemoryRows(static, terms, weights, conditions if joint is not None else [], buffers)
 
 
 def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
@@ -562,8 +563,8 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
     if figure > ctx.memory_limit:
         _raise_infeasible(ctx, smallest)
     recompute_variants.apply(ctx, variants)
-    try:
-        return _solve_one(ctx, start=choice, reserve=_buckets(ctx, choice, own=True))
+    try:  # (where the rows count the buffers, nothing is set aside)
+        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice, own=True))
     except (ProgramInfeasible, SolverTimeout):
         _raise_infeasible(ctx, smallest)
 
