@@ -422,7 +422,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         reduced = reduce_problem(problem)
         known = None if start is None else reduced.restrict({k: start[k] for k in problem.n_strategies})
         mine = fallback is None and known is not None and reduced.problem.fits(known) and (
-            bool(_grad_buffers(ctx)) or _buckets(ctx, start, own=True) <= reserve)
+            bool(_grad_buffers(ctx)) or _buckets(ctx, start) <= reserve)
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
                                 relative_gap=sc.relative_gap, on_progress=report, start=known)
@@ -489,15 +489,19 @@ def fmt_mem(nbytes: float, scale: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _buckets(ctx: PassContext, choice: dict[str, int], own: bool = False) -> float:
-    """The gradient buffers a plan needs beside its peak: its own (`own`), or what the program sets aside where
-    that is more."""
+def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
+    """The gradient buffers `choice` needs beside its peak (none under a pipeline)."""
     from autopar.passes.simulate_step import grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return grad_bucket_bytes(ctx) if own else max(_reserve(ctx), grad_bucket_bytes(ctx))
+    return grad_bucket_bytes(ctx)
+
+
+def _peak(ctx: PassContext, choice: dict[str, int]) -> float:
+    """The peak of `choice` with its own gradient buffers, as the step simulator counts it."""
+    return sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice)
 
 
 def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> dict[str, int] | None:
@@ -519,7 +523,7 @@ def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> d
     except (ProgramInfeasible, SolverTimeout):
         return None
     other = expand_choice(ctx, reduced.expand(out.result.choice))
-    return other if sum(memory_profile(ctx).peak(other)[:2]) + _buckets(ctx, other, own=True) < figure else None
+    return other if _peak(ctx, other) < figure else None
 
 
 def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
@@ -542,7 +546,7 @@ def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
                 "smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
                 "memory_limit_gb.") from None
         choice = expand_choice(ctx, reduced.expand(best.choice))
-        peak = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice, own=True)
+        peak = _peak(ctx, choice)
         if smallest is None or peak < smallest[0]:
             smallest = (peak, variants, choice)
     figure, variants, choice = smallest
@@ -550,7 +554,7 @@ def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
     other = _fewer_buckets(ctx, choice, figure)
     if other is not None:
         choice = other
-        figure = sum(memory_profile(ctx).peak(choice)[:2]) + _buckets(ctx, choice, own=True)
+        figure = _peak(ctx, choice)
     return figure, variants, choice
 
 
@@ -564,7 +568,7 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
         _raise_infeasible(ctx, smallest)
     recompute_variants.apply(ctx, variants)
     try:  # (where the rows count the buffers, nothing is set aside)
-        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice, own=True))
+        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
     except (ProgramInfeasible, SolverTimeout):
         _raise_infeasible(ctx, smallest)
 
@@ -575,7 +579,7 @@ def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
-    reserve = _buckets(ctx, choice, own=True)
+    reserve = _buckets(ctx, choice)
     static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers.append((reserve, "gradient buckets"))
