@@ -359,11 +359,8 @@ def _reprice(ctx: PassContext, found: list) -> bool:
     problem, out, reduced, result, variants, _ = found[0]
     if all(v == "keep" for v in variants.values()):
         return False
-    recompute_variants.apply(ctx, variants)
-    _adopt(ctx, reduced, result)
-    fixed = build_problem(ctx, None)
     # The plan reports the exact price of its choice (the joint program's bound still holds).
-    exact = max(fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}), result.objective_s)
+    exact = _exact_objective(ctx, reduced, result)
     found[0] = (problem, out, reduced, dataclasses.replace(
         result, objective_s=exact, optimal=exact - result.bound_s <= OPTIMALITY_TOLERANCE * exact,
         stats=dict(result.stats, joint_objective_s=result.objective_s)), variants, found[0][5])
@@ -376,6 +373,28 @@ def _reprice(ctx: PassContext, found: list) -> bool:
         return False
     found.append((*again[:5], simulate(ctx).step_time))
     return True
+
+
+def _exact_objective(ctx: PassContext, reduced, result) -> float:
+    """A joint plan's price by the program with its recompute variants fixed, which prices the collectives its
+    recomputed regions run again exactly (the joint program holds the least they can cost); the plan is left
+    adopted."""
+    _adopt(ctx, reduced, result)
+    fixed = build_problem(ctx, None)
+    return max(fixed.objective({k: ctx.choice[k] for k in fixed.n_strategies}), result.objective_s)
+
+
+def _priced_right(ctx: PassContext, reduced):
+    """For solve_bounded: whether the joint program prices a plan (reduced indices) within _REPRICE of its
+    exact price; where not, _reprice solves the program with its variants fixed in any case, so the joint
+    solve stops at its first plan."""
+    def check(choice: dict[str, int]) -> bool:
+        result = IlpResult(choice, reduced.problem.objective(choice), 0.0, False, {})
+        if all(v == "keep" for v in (recompute_variants.chosen(ctx, reduced.expand(choice)) or {}).values()):
+            return True
+        return _exact_objective(ctx, reduced, result) <= result.objective_s * (1 + _REPRICE)
+
+    return check
 
 
 def _may_bind(ctx: PassContext) -> bool:
@@ -425,7 +444,8 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             bool(_grad_buffers(ctx)) or _buckets(ctx, start) <= reserve)
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
-                                relative_gap=sc.relative_gap, on_progress=report, start=known)
+                                relative_gap=sc.relative_gap, on_progress=report, start=known,
+                                priced_right=None if joint is None else _priced_right(ctx, reduced))
         except SolverTimeout as e:
             smallest = getattr(e, "smallest_peak", None)
             if smallest is None:

@@ -263,6 +263,34 @@ def test_linked_selectors_solve_exactly(backend):
     assert checked >= 10  # most draws are feasible: the test exercises the solve, not only the verdict
 
 
+def test_a_first_plan_the_program_misprices_is_returned_as_it_stands():
+    """solve_bounded's `priced_right` (how a joint recompute program hands over to the program with its variants
+    fixed): a first warm start it rejects is the result, marked "mispriced", with no second warm start and no
+    alternatives; one it accepts changes nothing."""
+    from autopar.solver import solve_bounded
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(40):
+        p = _linked_problem(rng)
+        try:
+            plain = solve_bounded(p, backend="highs", deadline=None, relative_gap=None)
+        except ProgramInfeasible:
+            continue
+        if plain.path != "warm start":
+            continue
+        seen = []
+        out = solve_bounded(p, backend="highs", deadline=None, relative_gap=None,
+                            priced_right=lambda c: seen.append(dict(c)) or False)
+        assert len(seen) == 1 and out.result.choice == seen[0] and p.fits(out.result.choice)
+        assert out.result.stats["mispriced"] and not out.alternatives and not out.result.optimal
+        assert out.result.bound_s == plain.result.bound_s
+        same = solve_bounded(p, backend="highs", deadline=None, relative_gap=None, priced_right=lambda c: True)
+        assert same.result.choice == plain.result.choice and "mispriced" not in same.result.stats
+        checked += 1
+    assert checked >= 3
+
+
 def _solves_as_enumerated(p: IlpProblem, backend: str, peak: bool = False) -> bool:
     """Check the solve against exhaustive enumeration of IlpProblem.objective and MemoryRows.usage: directly,
     after pruning, on the fast path (and minimizing the peak with `peak`). True where some choice fits."""

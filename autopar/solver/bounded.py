@@ -66,10 +66,14 @@ class _Tracker:
 
 
 def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float | None,
-                  on_progress: Callable[[str], None] | None = None, start: dict[str, int] | None = None) -> Bounded:
+                  on_progress: Callable[[str], None] | None = None, start: dict[str, int] | None = None,
+                  priced_right: Callable[[dict[str, int]], bool] | None = None) -> Bounded:
     """The plan by the path in the module's docstring; `start`, a plan of p known beforehand, is kept in the
-    warm starts and starts them."""
-    out = _solve(p, backend, deadline, relative_gap, on_progress, known=start)
+    warm starts and starts them. `priced_right` says whether p prices a plan as it runs (a program that bounds
+    some costs from below): where it says the first warm start's plan is not, that plan is returned as it
+    stands (stats "mispriced"), with no second warm start, search or alternatives, for the caller to solve a
+    program that prices it exactly."""
+    out = _solve(p, backend, deadline, relative_gap, on_progress, known=start, priced_right=priced_right)
     # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
     # cannot price: when the expected wait is costly, offer the best plans that keep the worst axis, then every
     # costly axis, free of them.
@@ -78,7 +82,8 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # (Solved whole: restricted to the strategies of the main warm start, the quiet plans come out slower.) One
     # whose relaxation bound is above the plan's time with its expected waits cannot be faster: it is not solved.
     cutoff = out.result.objective_s + sum(waits.values())
-    for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if costly and not out.timed_out else ():
+    again = costly and not out.timed_out and not out.result.stats.get("mispriced")
+    for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if again else ():
         try:
             r = _solve(dataclasses.replace(p, quiet_axes=quiet), backend, deadline, relative_gap, on_progress,
                        cutoff=cutoff)
@@ -97,9 +102,10 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
 
 def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: float | None,
            on_progress: Callable[[str], None] | None, cutoff: float | None = None,
-           known: dict[str, int] | None = None) -> Bounded | None:
+           known: dict[str, int] | None = None,
+           priced_right: Callable[[dict[str, int]], bool] | None = None) -> Bounded | None:
     """The plan by the path above, from the plan `known` where one is given; None when the relaxation's bound
-    is at least `cutoff` seconds."""
+    is at least `cutoff` seconds; see solve_bounded for `priced_right`."""
     from autopar.solver.highs import relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
@@ -139,6 +145,11 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         priced = [free] + [pool.submit(_priced_relaxation, p, prices, m, deadline) for m in _MARKUPS if m] \
             if binding else []
         start = _warm_start(p, keep, backend, deadline, seen, known)
+        if start is not None and priced_right is not None and not priced_right(start.choice):
+            timings["warm_start_seconds"] = time.perf_counter() - t
+            r = dataclasses.replace(start, bound_s=lb, optimal=False)
+            r.stats.update(size, status="FEASIBLE", memory_binds=binding, mispriced=True, **timings)
+            return Bounded(r, "warm start", False)
         if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
             for f in priced:
                 keep = _union(keep, f.result())
