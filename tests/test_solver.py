@@ -266,7 +266,7 @@ def test_linked_selectors_solve_exactly(backend):
 def test_a_first_plan_the_program_misprices_is_returned_as_it_stands():
     """solve_bounded's `priced_right` (how a joint recompute program hands over to the program with its variants
     fixed): a first warm start it rejects is the result, marked "mispriced", with no second warm start and no
-    alternatives; one it accepts changes nothing."""
+    alternatives; one it accepts changes nothing, and each plan is asked about once."""
     from autopar.solver import solve_bounded
 
     rng = random.Random(0)
@@ -285,8 +285,11 @@ def test_a_first_plan_the_program_misprices_is_returned_as_it_stands():
         assert len(seen) == 1 and out.result.choice == seen[0] and p.fits(out.result.choice)
         assert out.result.stats["mispriced"] and not out.alternatives and not out.result.optimal
         assert out.result.bound_s == plain.result.bound_s
-        same = solve_bounded(p, backend="highs", deadline=None, relative_gap=None, priced_right=lambda c: True)
-        assert same.result.choice == plain.result.choice and "mispriced" not in same.result.stats
+        asked = []
+        same = solve_bounded(p, backend="highs", deadline=None, relative_gap=None,
+                             priced_right=lambda c: asked.append(dict(c)) or True)
+        assert same.result.choice == plain.result.choice and not same.result.stats["mispriced"]
+        assert asked[0] == seen[0] and len(asked) == len({tuple(sorted(c.items())) for c in asked}) <= 2
         checked += 1
     assert checked >= 3
 

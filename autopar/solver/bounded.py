@@ -72,8 +72,19 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     warm starts and starts them. `priced_right` says whether p prices a plan as it runs (a program that bounds
     some costs from below): where it says the first warm start's plan is not, that plan is returned as it
     stands (stats "mispriced"), with no second warm start, search or alternatives, for the caller to solve a
-    program that prices it exactly."""
+    program that prices it exactly; where it says so of the plan found after them, no alternatives."""
+    if priced_right is not None:  # asked once per plan
+        asked: dict[tuple, bool] = {}
+
+        def priced_right(choice, ask=priced_right):
+            key = tuple(sorted(choice.items()))
+            if key not in asked:
+                asked[key] = ask(choice)
+            return asked[key]
+
     out = _solve(p, backend, deadline, relative_gap, on_progress, known=start, priced_right=priced_right)
+    if priced_right is not None and "mispriced" not in out.result.stats:
+        out.result.stats["mispriced"] = not priced_right(out.result.choice)
     # Blocking backward collectives may wait behind gradient reductions queued on their axis, which the program
     # cannot price: when the expected wait is costly, offer the best plans that keep the worst axis, then every
     # costly axis, free of them.
