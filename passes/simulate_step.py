@@ -33,6 +33,8 @@ class Simulation:
     node_time: dict[str, float]
     top_ops: list[tuple[str, float]]
     timeline: list[tuple[str, str, float, float]]  # (stream, label, start, end), a sample for plots
+    # Per mesh axis: seconds blocking collectives (layout changes, not gradient reductions) waited for the axis.
+    waits_by_axis: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def simulate_step_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -61,6 +63,7 @@ def simulate(ctx: PassContext) -> Simulation:
         grad_nodes[u].append((fqn, idx))
 
     axis_free = [0.0] * len(mesh.shape)  # one stream per mesh axis: each axis has its own links
+    waited = [0.0] * len(mesh.shape)
     moved: dict[tuple, float] = {}  # (value, layout, phase) -> when the redistributed copy is ready
     m = ctx.microbatches
     deferred: list[tuple] = []
@@ -113,6 +116,8 @@ def simulate(ctx: PassContext) -> Simulation:
             comm_axis[f"{ax}:{st.kind}"] += c
             comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
             begin = max(axis_free[st.axis], t)
+            if not bucketed:
+                waited[st.axis] += begin - t
             t = axis_free[st.axis] = begin + c
             total_comm += c
             if len(timeline) < 4000:
@@ -192,7 +197,8 @@ def simulate(ctx: PassContext) -> Simulation:
     return Simulation(step_time=step, compute_time=total_compute, comm_time=total_comm,
                       exposed_comm=max(0.0, step - opt - total_compute), optimizer_time=opt, peak_memory=peak,
                       memory=memory, comm_by_axis=dict(comm_axis), comm_bytes_by_axis=dict(comm_bytes),
-                      node_time=dict(node_time), top_ops=top, timeline=timeline)
+                      node_time=dict(node_time), top_ops=top, timeline=timeline,
+                      waits_by_axis={a: m * w for a, w in enumerate(waited) if w})
 
 
 def _duration(ctx: PassContext, node: fx.Node) -> float:

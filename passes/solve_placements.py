@@ -397,6 +397,18 @@ def _priced_right(ctx: PassContext, reduced):
     return check
 
 
+def _waited(ctx: PassContext, reduced):
+    """For solve_bounded: per mesh axis, the seconds a plan's (reduced indices) blocking collectives wait for
+    the axis in the step simulator's schedule; the plan is left adopted."""
+    from autopar.passes.simulate_step import simulate
+
+    def seen(choice: dict[str, int]) -> dict[int, float]:
+        _adopt(ctx, reduced, IlpResult(choice, 0.0, 0.0, False, {}))
+        return simulate(ctx).waits_by_axis
+
+    return seen
+
+
 def _may_bind(ctx: PassContext) -> bool:
     """Whether some placement keeping every activation the solver decides on could exceed the limit (some
     memory row remains)."""
@@ -445,7 +457,8 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         try:
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
                                 relative_gap=sc.relative_gap, on_progress=report, start=known,
-                                priced_right=None if joint is None else _priced_right(ctx, reduced))
+                                priced_right=None if joint is None else _priced_right(ctx, reduced),
+                                waited=_waited(ctx, reduced))
         except SolverTimeout as e:
             smallest = getattr(e, "smallest_peak", None)
             if smallest is None:

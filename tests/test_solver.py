@@ -410,6 +410,29 @@ def test_a_restricted_program_keeps_its_quiet_axes_on_the_kept_strategies(backen
     assert solve(restrict(p, {"u": [0], "v": [0, 1]}), backend=backend).choice == {"u": 0, "v": 1}
 
 
+def test_quiet_axis_alternatives_follow_the_schedules_waits():
+    """A plan whose blocking collective on axis 0 the estimate (IlpProblem.waits) puts behind the layers'
+    gradient reductions there is offered a quiet-axis alternative; where the schedule (solve_bounded's `waited`,
+    the step simulator's waits) shows nothing waiting on that axis, it is not, and where it does, the same
+    alternative is."""
+    from autopar.solver import solve_bounded
+
+    contends = {0: [[False, False], [False, True]]}  # u -> v carried 1 -> 1 holds a collective on axis 0
+    edge = IlpEdge("u", "v", [0, 1], [0, 1], [[0.0, 1e-3], [1e-3, 0.0]], contends=contends)
+    grad = IlpEdge("g", None, [0], None, [[2e-3]], axis_cost={0: [[8e-3]]}, layered=True)
+    p = IlpProblem(n_strategies={"u": 2, "v": 2, "g": 1}, compute={"u": [0.0, 0.0], "v": [1e-2, 0.0], "g": [0.0]},
+                   edges=[edge, grad])
+    plain = solve_bounded(p, backend="highs", deadline=None, relative_gap=None)
+    assert plain.result.choice == {"u": 1, "v": 1, "g": 0} and p.waits(plain.result.choice) == {0: 4e-3}
+    assert [(a.choice, a.stats["quiet_axes"]) for a in plain.alternatives] == [({"u": 0, "v": 1, "g": 0}, [0])]
+    asked = []
+    none = solve_bounded(p, backend="highs", deadline=None, relative_gap=None,
+                         waited=lambda c: asked.append(dict(c)) or {})
+    assert asked == [plain.result.choice] and none.alternatives == []
+    busy = solve_bounded(p, backend="highs", deadline=None, relative_gap=None, waited=lambda c: {0: 1e-3})
+    assert [a.choice for a in busy.alternatives] == [a.choice for a in plain.alternatives]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
 def test_backends_raise_the_same_errors(backend):

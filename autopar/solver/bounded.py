@@ -72,12 +72,16 @@ class _Tracker:
 
 def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relative_gap: float | None,
                   on_progress: Callable[[str], None] | None = None, start: dict[str, int] | None = None,
-                  priced_right: Callable[[dict[str, int]], bool] | None = None) -> Bounded:
+                  priced_right: Callable[[dict[str, int]], bool] | None = None,
+                  waited: Callable[[dict[str, int]], dict[int, float]] | None = None) -> Bounded:
     """The plan by the path in the module's docstring; `start`, a plan of p known beforehand, is kept in the
     warm starts and starts them. `priced_right` says whether p prices a plan as it runs (a program that bounds
     some costs from below): where it says the first warm start's plan is not, that plan is returned as it
     stands (stats "mispriced"), with no second warm start, search or alternatives, for the caller to solve a
-    program that prices it exactly; where it says so of the plan found after them, no alternatives."""
+    program that prices it exactly; where it says so of the plan found after them, no alternatives. `waited`
+    gives, per mesh axis, the seconds a plan's blocking collectives wait for the axis in a schedule of its step
+    (the step simulator's): an axis where they wait less than _WAITS of the objective gets no alternative,
+    whatever the estimate (IlpProblem.waits)."""
     if priced_right is not None:  # asked once per plan
         asked: dict[tuple, bool] = {}
 
@@ -95,6 +99,9 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # costly axis, free of them.
     waits = p.waits(out.result.choice)
     costly = sorted((ax for ax, w in waits.items() if w > _WAITS * out.result.objective_s), key=lambda ax: -waits[ax])
+    if costly and waited is not None:  # where the schedule shows no such wait, the estimate is not acted on
+        seen = waited(out.result.choice)
+        costly = [ax for ax in costly if seen.get(ax, 0.0) > _WAITS * out.result.objective_s]
     # (Solved whole: restricted to the strategies of the main warm start, the quiet plans come out slower.) One
     # whose relaxation bound is above the plan's time with its expected waits cannot be faster: it is not solved.
     cutoff = out.result.objective_s + sum(waits.values())
