@@ -39,11 +39,6 @@ _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - thi
 _MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_relaxation)
 _HALF_GAP = 0.025  # without a gap to prove, a warm start this far from the bound still tries the second one
 _WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
-# Nodes the second warm start searches from the first plan: what its wider support offers is found early. On
-# five memory-bound programs of the small transformers models (GPT-NeoX, OPT, the hf Llama at 0.7x; BERT, Qwen2
-# at 0.5x), 64 nodes instead of 256 took 0.5-5.0 s off their solves, and two plans came out 0.04% and 0.07%
-# dearer by the objective; 32 nodes cost GPT-NeoX 0.4%.
-_SECOND_NODES = 64
 
 
 @dataclasses.dataclass
@@ -176,9 +171,8 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
             for f in priced:
                 keep = _union(keep, f.result())
-            # From the first plan: HiGHS starts with an incumbent, and searches less (_SECOND_NODES).
-            second = _warm_start(p, keep, backend, deadline, seen, None if start is None else start.choice,
-                                 None if start is None else _SECOND_NODES)
+            # From the first plan: HiGHS starts with an incumbent.
+            second = _warm_start(p, keep, backend, deadline, seen, None if start is None else start.choice)
             if second is not None and (start is None or second.objective_s < start.objective_s):
                 start = second
     if start is None and binding:
@@ -361,15 +355,15 @@ def _search(p: IlpProblem, start: IlpResult | None, gap: float, lb: float, backe
 
 
 def _warm_start(p: IlpProblem, keep: dict[str, list[int]], backend: str, deadline: float | None,
-                seen: _Tracker, start: dict[str, int] | None = None, nodes: int | None = None) -> IlpResult | None:
+                seen: _Tracker, start: dict[str, int] | None = None) -> IlpResult | None:
     """The best plan using only the strategies `keep` lists (None when they admit none), from the plan `start`
-    where one is given (its strategies kept), searching at most `nodes` nodes (dispatch.solve)."""
+    where one is given (its strategies kept)."""
     hint = None
     if start is not None:
         pos = {k: {o: i for i, o in enumerate(v)} for k, v in keep.items()}
         hint = {k: pos[k][i] for k, i in start.items()}
     try:
-        r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True, hint=hint, nodes=nodes)
+        r = solve(restrict(p, keep), backend=backend, deadline=deadline, restricted=True, hint=hint)
     except (ProgramInfeasible, SolverTimeout):
         return None
     choice = {k: keep[k][i] for k, i in r.choice.items()}

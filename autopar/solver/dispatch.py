@@ -12,8 +12,7 @@ from autopar.solver.ilp import BACKENDS, IlpProblem, IlpResult
 
 def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = None, objective: str = "time",
           hint: dict[str, int] | None = None, relative_gap: float = 0.0,
-          on_progress: Callable[[str], None] | None = None, restricted: bool = False,
-          nodes: int | None = None) -> IlpResult:
+          on_progress: Callable[[str], None] | None = None, restricted: bool = False) -> IlpResult:
     """Solve `p` before `deadline` (time.monotonic() seconds; None: no limit).
 
     objective "time" minimizes seconds under the memory limit; "peak" minimizes the largest memory row with no
@@ -22,8 +21,7 @@ def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = Non
     when the deadline passes before any solution is found; at the deadline with a solution, returns it with
     optimal=False. `restricted` says `p` is a small program over a few strategies per key (a warm start): HiGHS
     then branches on pseudo-costs from the first node instead of strong branching, does not restart its root and
-    runs no RINS sub-MIPs (1.4-2.5x faster on the programs measured, the same optima; docs/solver.md), and stops
-    its search after `nodes` nodes (default highs.WARM_NODES; CP-SAT counts no nodes and ignores it)."""
+    runs no RINS sub-MIPs (1.4-2.5x faster on the programs measured, the same optima; docs/solver.md)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; use SolverConfig(backend=...) with one of: "
                          + ", ".join(BACKENDS))
@@ -33,5 +31,5 @@ def solve(p: IlpProblem, *, backend: str = "highs", deadline: float | None = Non
     if remaining is not None and remaining <= 0:
         raise SolverTimeout("the time limit was reached before the integer program could start")
     if backend == "highs":
-        return solve_highs(p, remaining, objective, hint, relative_gap, on_progress, restricted, nodes)
+        return solve_highs(p, remaining, objective, hint, relative_gap, on_progress, restricted)
     return solve_cpsat(p, remaining, objective, hint, relative_gap, on_progress)

@@ -26,24 +26,24 @@ _INF = float("inf")
 
 # HiGHS options for a restricted program (a warm start over a few strategies per key), where the root's strong
 # branching, its restart and RINS take most of the time and the optimum is found without them. A warm start is
-# a plan, not a proof (its gap is to the whole program's relaxation): its search stops after WARM_NODES nodes
-# by default (some first warm starts of the small transformers models reach it; T5's second one spent 28 s on
-# 1,523 nodes proving its start optimal). A HiGHS too old to know one of them (an older ortools) solves with its
-# defaults.
-WARM_NODES = 256
-_RESTRICTED = {"mip_pscost_minreliable": 0, "mip_allow_restart": False, "mip_heuristic_run_rins": False}
+# a plan, not a proof (its gap is to the whole program's relaxation): its search stops after _WARM_NODES nodes
+# (some first warm starts of the small transformers models reach it; T5's second one spent 28 s on 1,523
+# nodes proving its start optimal). A HiGHS too old to know one of them (an older ortools) solves with its defaults.
+_WARM_NODES = 256
+_RESTRICTED = {"mip_pscost_minreliable": 0, "mip_allow_restart": False, "mip_heuristic_run_rins": False,
+               "mip_max_nodes": _WARM_NODES}
 _restricted_known = True
 
 
 def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: dict[str, int] | None,
-                relative_gap: float, on_progress: Callable[[str], None] | None, restricted: bool = False,
-                nodes: int | None = None) -> IlpResult:
+                relative_gap: float, on_progress: Callable[[str], None] | None, restricted: bool = False
+                ) -> IlpResult:
     t0 = time.perf_counter()
     prog = build_program(p)
     proto = _model(prog, objective)
     params = _params(p.seed, remaining)
     if restricted and _restricted_known:
-        for k, v in dict(_RESTRICTED, mip_max_nodes=WARM_NODES if nodes is None else nodes).items():
+        for k, v in _RESTRICTED.items():
             (params.highs.bool_options if isinstance(v, bool) else params.highs.int_options)[k] = v
     if relative_gap > 0:
         params.relative_gap_tolerance = relative_gap
