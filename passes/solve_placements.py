@@ -177,7 +177,9 @@ def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
         for j, b in enumerate(c.dst_layouts):
             for st in plan_steps(a, b):
                 if st.is_comm:
-                    out.setdefault(st.axis, [[False] * len(c.dst_layouts) for _ in c.src_layouts])[i][j] = True
+                    if st.axis not in out:
+                        out[st.axis] = [[False] * len(c.dst_layouts) for _ in c.src_layouts]
+                    out[st.axis][i][j] = True
     return out or None
 
 

@@ -55,8 +55,8 @@ def reduce_problem(p: IlpProblem) -> Reduced:
     edges = [(src, dst, np.asarray(si), np.asarray(di), sum(costs))
              for (src, dst, si, di, _), costs in pair_edges.items()]
     selectors = p.selectors()
-    kept = {k: list(range(n)) if k in selectors else _undominated(k, n, linear, p, edges, grouped, side)
-            for k, n in p.n_strategies.items()}
+    features = _features(p, linear, edges, grouped, side)
+    kept = {k: list(range(n)) if k in selectors else _undominated(n, features[k]) for k, n in p.n_strategies.items()}
     new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
                  for src, dst, si, di, cost in edges]
     new_edges += [e.restricted(kept) for e in grouped]
@@ -68,44 +68,58 @@ def reduce_problem(p: IlpProblem) -> Reduced:
     return Reduced(q, kept)
 
 
-def _undominated(key: str, n: int, linear, p: IlpProblem, edges, grouped, side) -> list[int]:
-    """Strategy s is dropped when some t is no worse in compute, in every memory coefficient and in every edge's
-    cost against every layout of the other end (ties keep the lower index). A shared redistribution is cheaper
-    when its consumers agree on a layout, so there t must want the same layout as s."""
-    if n < 2:
-        return list(range(n))
-    cols = [linear[key][:, None]]
+def _features(p: IlpProblem, linear, edges, grouped, side) -> dict[str, list[np.ndarray]]:
+    """Per key, the columns (n_strategies x features) _undominated compares its strategies on: compute, every
+    memory coefficient, and every edge's cost against every layout of the other end. A shared redistribution
+    is cheaper when its consumers agree on a layout, so there a strategy is compared only with those that want
+    the same layout. Each edge is read once (every key's own list is built in one pass)."""
+    cols: dict[str, list[np.ndarray]] = {k: [linear[k][:, None]] for k in p.n_strategies}
+
+    def both_ends(e: IlpEdge, m: np.ndarray) -> None:  # the matrix as features of its source's and destination's
+        si = np.asarray(e.src_index)
+        if e.src == e.dst:
+            cols[e.src].append(m[si, np.asarray(e.dst_index)][:, None])
+            return
+        cols[e.src].append(m[si, :])
+        if e.dst is not None:
+            cols[e.dst].append(m[:, np.asarray(e.dst_index)].T)
+
     if p.memory is not None:
-        cols += [np.asarray(v, dtype=float)[:, None] for k, v in p.memory.static.items() if k == key]
-        cols += [np.asarray(b, dtype=float)[:, None] for k, b in p.memory.terms if k == key]
+        for k, v in p.memory.static.items():
+            cols[k].append(np.asarray(v, dtype=float)[:, None])
+        for k, b in p.memory.terms:
+            cols[k].append(np.asarray(b, dtype=float)[:, None])
         for e in {id(e): e for edges in p.memory.buffers for e in edges}.values():
-            _edge_columns(cols, key, e, np.asarray(e.cost, dtype=float))
+            both_ends(e, np.asarray(e.cost, dtype=float))
     for src, dst, si, di, cost in edges:
-        if src == key:
-            cols.append(cost[si, :])
-        elif dst == key:
-            cols.append(cost[:, di].T)
+        cols[src].append(cost[si, :])
+        cols[dst].append(cost[:, di].T)
     for ln in p.links:  # t must cost no more under any selector strategy
-        if ln.key == key:
-            cols.append(np.asarray(ln.cost, dtype=float))
+        cols[ln.key].append(np.asarray(ln.cost, dtype=float))
     for e in side:  # waits: t must not use an axis s leaves free, nor put more of the layers' reductions there
         for m in [*(e.contends or {}).values(), *(e.axis_cost or {}).values()]:
-            _edge_columns(cols, key, e, np.asarray(m, dtype=float))
+            both_ends(e, np.asarray(m, dtype=float))
     for e in grouped:
         cost = np.asarray(e.cost, dtype=float)
         if e.group is None:
-            _edge_columns(cols, key, e, cost)
+            both_ends(e, cost)
             continue
-        if e.src == key and e.dst == key:
-            same = [e.src_index, e.dst_index]
-        elif e.src == key:
-            cols.append(cost[np.asarray(e.src_index), :])
-            same = []
+        if e.src == e.dst:  # t must use the same layout classes as s
+            same = [(e.src, e.src_index), (e.src, e.dst_index)]
         else:
-            same = [e.dst_index] if e.dst == key else []
-        for classes in same:  # t must use the same layout class as s
+            cols[e.src].append(cost[np.asarray(e.src_index), :])
+            same = [] if e.dst is None else [(e.dst, e.dst_index)]
+        for k, classes in same:
             b = np.asarray(classes, dtype=float)[:, None]
-            cols += [b, -b]
+            cols[k] += [b, -b]
+    return cols
+
+
+def _undominated(n: int, cols: list[np.ndarray]) -> list[int]:
+    """Strategy s is dropped when some t is no worse in every feature (_features) and better in one; of equals,
+    the lowest index is kept."""
+    if n < 2:
+        return list(range(n))
     f = np.concatenate(cols, axis=1)  # (n, features)
     le = (f[None, :, :] <= f[:, None, :] + 1e-15).all(axis=2)  # le[s, t]: t no worse than s everywhere
     eq = (np.abs(f[None, :, :] - f[:, None, :]) <= 1e-15).all(axis=2)
@@ -118,13 +132,3 @@ def restricted_links(links: list[IlpLink], kept: dict[str, list[int]]) -> list[I
     return [dataclasses.replace(ln, cost=[[ln.cost[s][r] for r in kept[ln.selector]] for s in kept[ln.key]])
             for ln in links]
 
-
-def _edge_columns(cols: list, key: str, e: IlpEdge, m: np.ndarray) -> None:
-    """The cost matrix `m` of edge e as features of `key`'s strategies (its row, its column, or its entry)."""
-    si = np.asarray(e.src_index)
-    if e.src == key and e.dst == key:
-        cols.append(m[si, np.asarray(e.dst_index)][:, None])
-    elif e.src == key:
-        cols.append(m[si, :])
-    elif e.dst == key:
-        cols.append(m[:, np.asarray(e.dst_index)].T)
