@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -172,13 +173,19 @@ def _contends(ctx: PassContext, e, c) -> dict[int, list[list[bool]]] | None:
     cap = ctx.captured
     if not cap.blocks or e.kind != "activation" or cap.phase.get(ctx.members[e.dst][0]) != "bwd":
         return None
+    return _comm_axes(tuple(c.src_layouts), tuple(c.dst_layouts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _comm_axes(src_layouts: tuple, dst_layouts: tuple) -> dict[int, list[list[bool]]] | None:
+    """Per axis, which (source, destination) layout pairs hold a collective on it (shared: read only)."""
     out: dict[int, list[list[bool]]] = {}
-    for i, a in enumerate(c.src_layouts):
-        for j, b in enumerate(c.dst_layouts):
+    for i, a in enumerate(src_layouts):
+        for j, b in enumerate(dst_layouts):
             for st in plan_steps(a, b):
                 if st.is_comm:
                     if st.axis not in out:
-                        out[st.axis] = [[False] * len(c.dst_layouts) for _ in c.src_layouts]
+                        out[st.axis] = [[False] * len(dst_layouts) for _ in src_layouts]
                     out[st.axis][i][j] = True
     return out or None
 
