@@ -450,3 +450,48 @@ def test_solver_plan_is_no_slower_than_ddp_when_gradient_reductions_hide():
     bwd = collectives(comp.program(per_axis).backward, per_axis)
     reductions = sorted(c for c in bwd if c[0] == "all_reduce")
     assert reductions == [("all_reduce", "dp")] * 2 + [("all_reduce", "tp")] * 2, bwd
+
+
+def _ddp_mlp(dims, pins=None):
+    """An MLP under the DDP recipe (batch 16 split over 4 CPU ranks), with extra activation pins."""
+    from autopar import recipes
+    from autopar.mesh import mesh_spec
+
+    with torch.device("meta"):
+        model = MLP(dims)
+    mesh = autopar.fake_mesh(4, "dp", device_type="cpu")
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    r = recipes.ddp(shapes, mesh_spec(mesh, None, "cpu"), n_inputs=2)
+    r["pins"].update(pins or {})
+    x, y = torch.zeros(16, dims[0]), torch.zeros(16, dims[-1])
+    return compile_plan(model, mesh, (x, y), loss_fn=mse, config=autopar.Config(solver=QUIET, **r))
+
+
+def test_simulated_waits_count_blocking_collectives_behind_their_axis_not_queued_gradient_reductions():
+    """Simulation.waits_by_axis: per mesh axis, the time blocking collectives (layout changes the compute waits
+    for) spend waiting for the axis, from when their input is ready to when they start. Gradient reductions
+    queued behind each other are not waits (they are bucketed and run beside the backward)."""
+    def entries(sim, stream):
+        return [(label, begin, end) for s, label, begin, end in sim.timeline if s == stream]
+
+    # Data parallel alone: the reductions run back to back on the axis, and nothing blocking waits.
+    sim = _ddp_mlp([256, 1024, 256]).ctx.simulation
+    grads = entries(sim, "comm:dp")
+    assert grads and all(label.startswith("grad ") for label, _, _ in grads), grads
+    assert any(b == pytest.approx(prev_end, abs=1e-12) for (_, _, prev_end), (_, b, _) in zip(grads, grads[1:]))
+    assert sim.waits_by_axis == {}
+
+    # The middle layer's weight gradient computed replicated: both its inputs (the transposed output gradient and
+    # the forward activation) are gathered over dp, behind the last layer's gradient reduction, one after the other.
+    sim = _ddp_mlp([256, 1024, 1024, 256], {"act:layers.1/bwd/mm#1": (Replicate(),)}).ctx.simulation
+    comm = entries(sim, "comm:dp")
+    compute = {label: end for label, _, end in entries(sim, "compute")}
+    moves = [(b, e) for label, b, e in comm if label == "layers.1/bwd/mm#1"]
+    grad_end = next(e for label, _, e in comm if label == "grad layers.2.weight")
+    assert len(moves) == 2 and moves[0][0] == pytest.approx(grad_end) and moves[1][0] == pytest.approx(moves[0][1])
+    # The transpose (no compute time) is ready when the op before it on the compute stream ends; the activation
+    # when the forward GELU ends.
+    ready = [compute["layers.1/bwd/mm"], compute["root/fwd/gelu"]]
+    expected = sum(begin - r for (begin, _), r in zip(moves, ready))
+    assert expected > 0
+    assert sim.waits_by_axis == {0: pytest.approx(expected, rel=1e-9)}
