@@ -494,3 +494,23 @@ def test_objective_orders_plans_as_the_step_simulator_does(which):
     for (a, obj_a, sim_a), (b, obj_b, sim_b) in itertools.combinations(rows, 2):
         if abs(sim_a - sim_b) > 0.05 * min(sim_a, sim_b):
             assert (obj_a < obj_b) == (sim_a < sim_b), (a, obj_a, sim_a, b, obj_b, sim_b)
+
+
+def test_the_most_any_choice_can_hold_bounds_every_choice_and_such_a_limit_does_not_bind():
+    """MemoryRows.most: no choice's peak exceeds it (conditional terms and buffers included), and a limit at it
+    solves as no limit: the same plan, its memory not binding."""
+    from autopar.solver import solve_bounded
+
+    rng = random.Random(3)
+    for make in (_linked_problem, _buffered_problem):
+        for _ in range(10):
+            p = make(rng)
+            keys = sorted(p.n_strategies)
+            choices = [dict(zip(keys, v)) for v in itertools.product(*(range(p.n_strategies[k]) for k in keys))]
+            most = p.memory.most()
+            assert max(p.memory.usage(c) for c in choices) <= most * (1 + 1e-12)
+            at = solve_bounded(dataclasses.replace(p, memory_limit=most), backend="highs", deadline=None,
+                               relative_gap=0.0).result
+            free = solve_bounded(dataclasses.replace(p, memory_limit=None), backend="highs", deadline=None,
+                                 relative_gap=0.0).result
+            assert not at.stats["memory_binds"] and at.objective_s == pytest.approx(free.objective_s, rel=1e-9)

@@ -127,7 +127,8 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
     from autopar.solver.highs import relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
-    limited = p.memory is not None and p.memory_limit is not None
+    # A limit that no choice's peak reaches does not bind: the relaxation is the one without memory rows.
+    limited = p.memory is not None and p.memory_limit is not None and p.memory.most() > p.memory_limit
     with _Pool() as pool:
         # The relaxation without memory rows (markup 0 below) does not need the bounded one's prices: it runs
         # beside it, and is used only when memory binds.

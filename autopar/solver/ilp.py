@@ -123,6 +123,13 @@ class MemoryRows:
         buffer = max((sum(_pair_value(e, x) for e in edges) for edges in self.buffers), default=0.0)
         return base + buffer + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
 
+    def most(self) -> float:
+        """The largest any choice's largest row can be: no plan exceeds it."""
+        static = sum(max(v, default=0.0) for v in self.static.values())
+        most = [max(b, default=0.0) for _, b in self.terms]
+        return static + self.most_buffered() + max((sum(w * most[t] for t, w in row.items()) for row in self.weights),
+                                                   default=0.0)
+
     def most_buffered(self) -> float:
         """The largest any choice's buffers can be."""
         return max((sum(max(map(max, e.cost)) for e in edges) for edges in self.buffers), default=0.0)
