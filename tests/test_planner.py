@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar.compiler import compile_plan
-from autopar.models.llama import LLAMA3_70B, LLAMA_SMALL, Llama, cross_entropy_loss
+from autopar.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA_SMALL, Llama, cross_entropy_loss
 
 QUIET = autopar.SolverConfig(show_progress=False)
 
@@ -127,6 +127,26 @@ def test_llama3_70b_on_8x8_gets_tensor_parallel_mlp_and_qkv_and_recomputes_to_fi
         assert isinstance(tp, Shard), (name, pl[f"layers.7.{name}.weight"])
     assert p.peak_memory_per_rank <= 80 * 2**30
     assert {"tp", "fsdp"} <= p.techniques
+
+
+@pytest.mark.slow
+def test_a_plan_that_fits_with_its_own_gradient_buckets_is_not_solved_for_again(monkeypatch):
+    """Llama-3-8B on 8x8 H100 at 80 GiB: the program sets one 25 MiB bucket aside for the gradient buffers, and
+    the plan it finds reduces gradients alone that take more. That plan fits the limit with them, so it is
+    the plan: one solve, not a second with its buffers set aside."""
+    from autopar.passes import solve_placements
+
+    calls = []
+    solve = solve_placements.solve_bounded
+    monkeypatch.setattr(solve_placements, "solve_bounded", lambda *a, **k: calls.append(1) or solve(*a, **k))
+    with torch.device("meta"):
+        model = Llama(LLAMA3_8B)
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=80, solver=QUIET)
+    p = autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(16, 8192, dtype=torch.long),),
+                     loss_fn=cross_entropy_loss, config=cfg)
+    assert p.memory_breakdown["grad_buckets"] > 25 * 2**20  # more than the bucket set aside
+    assert p.peak_memory_per_rank <= 80 * 2**30
+    assert len(calls) == 1
 
 
 @pytest.mark.slow
