@@ -562,8 +562,9 @@ def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> d
     problem = build_problem(ctx, sum(memory_profile(ctx).peak(choice)[:2]) * (1 + 1e-3))
     reduced = reduce_problem(problem)
     try:
+        # Its fastest plan only: alternatives keeping axes quiet (waited: none) are not read here.
         out = solve_bounded(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline,
-                            relative_gap=None)
+                            relative_gap=None, waited=lambda choice: {})
     except (ProgramInfeasible, SolverTimeout):
         return None
     other = expand_choice(ctx, reduced.expand(out.result.choice))

@@ -39,6 +39,7 @@ _SUPPORT = 1e-6  # relaxation values above this count as used (and below 1 - thi
 _MARKUPS = (0.0, 2.0)  # shadow-price markups of the priced relaxations (see _priced_relaxation)
 _HALF_GAP = 0.025  # without a gap to prove, a warm start this far from the bound still tries the second one
 _WAITS = 0.01  # expected waits above this share of the objective: offer plans without them
+_PEAK_MARGIN = 1e-6  # a least fractional peak this far over the limit proves it infeasible
 
 
 @dataclasses.dataclass
@@ -124,11 +125,23 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
            priced_right: Callable[[dict[str, int]], bool] | None = None) -> Bounded | None:
     """The plan by the path above, from the plan `known` where one is given; None when the relaxation's bound
     is at least `cutoff` seconds; see solve_bounded for `priced_right`."""
-    from autopar.solver.highs import relaxation_highs
+    from autopar.solver.highs import peak_relaxation, relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
     # A limit that no choice's peak reaches does not bind: the relaxation is the one without memory rows.
     limited = p.memory is not None and p.memory_limit is not None and p.memory.most() > p.memory_limit
+    if limited and not p.quiet_axes:
+        # The relaxation with memory rows is feasible exactly when the least peak of any fractional choice fits
+        # (edges and links admit every choice): that program, without edges, is far smaller and proves a limit
+        # infeasible in a fraction of the time.
+        t = time.perf_counter()
+        try:
+            least = peak_relaxation(p, _remaining(deadline))
+        except SolverTimeout as e:
+            raise _timeout(e, seen) from None
+        timings["peak_relaxation_seconds"] = time.perf_counter() - t
+        if least > p.memory_limit * (1 + _PEAK_MARGIN):
+            raise ProgramInfeasible("no choice of strategies satisfies the memory rows")
     with _Pool() as pool:
         # The relaxation without memory rows (markup 0 below) does not need the bounded one's prices: it runs
         # beside it, and is used only when memory binds.

@@ -7,6 +7,7 @@ S + sum_t w[i,t] m_t holds a few dozen entries instead of one per strategy.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from typing import Callable
@@ -110,6 +111,19 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
             "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
             "build_seconds": t1 - t0, "solve_seconds": time.perf_counter() - t1}
     return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
+
+
+def peak_relaxation(p: IlpProblem, remaining: float | None) -> float:
+    """A lower bound on any plan's peak in bytes: the relaxation of the program minimizing the largest memory
+    row. It has no edges (a gradient buffer's come with the memory rows), so it is small; where it exceeds the
+    limit, the relaxation with memory rows is infeasible too, and so is the program."""
+    prog = build_program(dataclasses.replace(p, edges=[], side_edges=[], memory_limit=None))
+    proto = _model(prog, "peak")
+    del proto.variables.integers[:]
+    proto.variables.integers.extend([False] * len(proto.variables.ids))
+    res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
+    _check(res)
+    return res.termination.objective_bounds.dual_bound * BYTES_PER_HIGHS_MEMORY_UNIT
 
 
 def _params(seed: int, remaining: float | None) -> parameters_pb2.SolveParametersProto:
