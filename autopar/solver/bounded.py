@@ -3,6 +3,8 @@
 1. Solve the relaxation of the strategy booleans, memory rows included. Its optimum is a lower bound on the
    program's; when it is infeasible no plan fits (a fast verdict); when its solution is integral and priced
    as the program prices it, it is the optimal plan (the usual case when the memory limit does not bind).
+   Where the limit may bind, the least peak of a fractional choice comes first (a far smaller program without
+   edges): above the limit, that relaxation is infeasible, and the verdict comes without it.
 2. Otherwise solve the program restricted to the strategies the relaxation uses, plus, when the memory limit
    binds, each parameter's most sharded storage (a small program, quick; RENS in the MIP literature). If its
    plan is more than half the gap (2.5% without one) from the bound and memory binds, add the strategies of
