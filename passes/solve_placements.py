@@ -406,13 +406,16 @@ def _priced_right(ctx: PassContext, reduced):
     return check
 
 
-def _waited(ctx: PassContext, reduced):
+def _waited(ctx: PassContext, reduced, over: bool = False):
     """For solve_bounded: per mesh axis, the seconds a plan's (reduced indices) blocking collectives wait for
-    the axis in the step simulator's schedule; the plan is left adopted."""
+    the axis in the step simulator's schedule; the plan is left adopted. With `over`, none for a plan whose own
+    gradient buckets take it over the limit: _solve_one solves for another."""
     from autopar.passes.simulate_step import simulate
 
     def seen(choice: dict[str, int]) -> dict[int, float]:
         _adopt(ctx, reduced, IlpResult(choice, 0.0, 0.0, False, {}))
+        if over and _peak(ctx, ctx.choice) > ctx.memory_limit:
+            return {}
         return simulate(ctx).waits_by_axis
 
     return seen
@@ -455,6 +458,10 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
     fallback = None  # (problem, reduced, start, bound): `start` fits a program with its own buffers
+    # Where the program sets the buckets aside, a plan over the limit with its own is solved for again, and where
+    # that finds nothing, the verdict's search for a plan of least peak follows: such a plan gets no quiet-axis
+    # alternatives, unless a plan known to fit is all that would stand behind it.
+    resolved = ctx.pipeline is None and not _grad_buffers(ctx)
     for _ in range(4):
         # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
         # than a bucket goes alone), set that aside and solve again.
@@ -467,7 +474,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
                                 relative_gap=sc.relative_gap, on_progress=report, start=known,
                                 priced_right=None if joint is None else _priced_right(ctx, reduced),
-                                waited=_waited(ctx, reduced))
+                                waited=_waited(ctx, reduced, over=resolved and fallback is None and not mine))
         except SolverTimeout as e:
             smallest = getattr(e, "smallest_peak", None)
             if smallest is None:

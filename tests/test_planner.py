@@ -150,6 +150,25 @@ def test_a_plan_that_fits_with_its_own_gradient_buckets_is_not_solved_for_again(
 
 
 @pytest.mark.slow
+def test_a_plan_over_the_limit_with_its_own_gradient_buckets_gets_no_quiet_axis_alternatives(monkeypatch):
+    """Llama-3-70B on 8x8 H100, 8 sequences, at 30.8 GiB: the program's plan, with one 25 MiB bucket set aside,
+    needs more with its own buckets; it is solved for again (and the limit refused), so no program keeping an
+    axis quiet is solved for it."""
+    from autopar.solver import bounded
+
+    quiet = []
+    solve = bounded._solve
+    monkeypatch.setattr(bounded, "_solve", lambda p, *a, **k: quiet.append(bool(p.quiet_axes)) or solve(p, *a, **k))
+    with torch.device("meta"):
+        model = Llama(LLAMA3_70B)
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=30.8, solver=QUIET)
+    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found .*needs 31\.\d\d GiB"):
+        autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(8, 8192, dtype=torch.long),),
+                     loss_fn=cross_entropy_loss, config=cfg)
+    assert quiet and not any(quiet), quiet
+
+
+@pytest.mark.slow
 def test_llama3_70b_infeasible_verdict_is_not_inflated_by_gradient_buffers():
     """Llama-3-70B on 8x8 H100, 8 sequences: at 30.8 GiB no plan fits. The plan of least memory rows reduces
     several gradients alone (4.8 GiB of buffers at the end of the backward); the verdict names the smallest
