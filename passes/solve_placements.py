@@ -488,7 +488,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             fallback = (problem, reduced, known, out.result.bound_s)
         result = _fastest(ctx, reduced, [out.result] + out.alternatives)
         _adopt(ctx, reduced, result)
-        buckets = 0.0 if ctx.pipeline is not None or _grad_buffers(ctx) else grad_bucket_bytes(ctx)
+        buckets = grad_bucket_bytes(ctx) if resolved else 0.0
         # A plan that fits with its own buckets is a plan of the program setting them aside too (a tighter one,
         # whose optimum the bound found holds under): it is kept rather than solved for again.
         if buckets <= reserve or _peak(ctx, ctx.choice) <= ctx.memory_limit:

@@ -93,9 +93,7 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
     With memory rows, size["memory_prices"] holds each candidate point's shadow price (seconds per byte)."""
     t0 = time.perf_counter()
     prog = build_program(p)
-    proto = _model(prog, "time")
-    del proto.variables.integers[:]
-    proto.variables.integers.extend([False] * len(proto.variables.ids))
+    proto = _relaxed(_model(prog, "time"))
     t1 = time.perf_counter()
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
@@ -118,12 +116,17 @@ def peak_relaxation(p: IlpProblem, remaining: float | None) -> float:
     row. It has no edges (a gradient buffer's come with the memory rows), so it is small; where it exceeds the
     limit, the relaxation with memory rows is infeasible too, and so is the program."""
     prog = build_program(dataclasses.replace(p, edges=[], side_edges=[], memory_limit=None))
-    proto = _model(prog, "peak")
-    del proto.variables.integers[:]
-    proto.variables.integers.extend([False] * len(proto.variables.ids))
+    proto = _relaxed(_model(prog, "peak"))
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     _check(res)
     return res.termination.objective_bounds.dual_bound * BYTES_PER_HIGHS_MEMORY_UNIT
+
+
+def _relaxed(proto: model_pb2.ModelProto) -> model_pb2.ModelProto:
+    """The program's proto with every column continuous."""
+    del proto.variables.integers[:]
+    proto.variables.integers.extend([False] * len(proto.variables.ids))
+    return proto
 
 
 def _params(seed: int, remaining: float | None) -> parameters_pb2.SolveParametersProto:
