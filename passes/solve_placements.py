@@ -314,11 +314,13 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     found, smallest, timeout = [], None, None
     # Where keeping every activation fits whatever the placements, no selector is needed (nor built).
     joint = recompute_variants.joint(ctx) if ctx.recompute_offered and _may_bind(ctx) else None
+    fitting = None  # a plan that fits with its own gradient buffers, passed over for one that did not
     for variants in [joint.base] if joint is not None else recompute_variants.combinations(ctx):
         recompute_variants.apply(ctx, variants)
         try:
             solved = _solve_one(ctx, joint)
-        except ProgramInfeasible:
+        except ProgramInfeasible as e:
+            fitting = fitting or getattr(e, "fitting", None)
             continue
         except SolverTimeout as e:
             timeout = e
@@ -330,7 +332,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     if not found:
         if timeout is not None:
             raise timeout from None
-        found.append(_fit_smallest(ctx, _smallest(ctx)))
+        found.append(_fit_passed_over(ctx, fitting) if fitting is not None else _fit_smallest(ctx, _smallest(ctx)))
     problem, out, reduced, result, variants, _ = min(found, key=lambda f: f[5])
     if repriced:  # the joint program's bound holds for every variant; the fixed one's for its own
         result = dataclasses.replace(result, bound_s=min(result.bound_s, found[0][3].bound_s))
@@ -451,13 +453,16 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     program under ctx's recompute variants, or choosing the decided ones with `joint`; from the plan `start`
     (ctx.choice's keys) where one is given, setting aside `reserve` bytes for the gradient buffers (default:
     _reserve). ProgramInfeasible where no plan fits with its gradient buffers; where `start` fits the first
-    program with its own buffers, it is the plan rather than that error."""
+    program with its own buffers, it is the plan rather than that error. The error's `fitting` holds (choice,
+    variants) of a plan the solve passed over for a faster one that did not fit with its buffers, where one fits
+    with its own (else None)."""
     from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
     reserve = _reserve(ctx) if reserve is None else reserve
     report = ctx.progress.update if ctx.progress is not None else None
     sc = ctx.config.solver
     fallback = None  # (problem, reduced, start, bound): `start` fits a program with its own buffers
+    fitting = None  # (choice, variants): a plan passed over for a faster one that did not fit with its buffers
     # Where the program sets the buckets aside, a plan over the limit with its own is solved for again, and where
     # that finds nothing, the verdict's search for a plan of least peak follows: such a plan gets no quiet-axis
     # alternatives, unless a plan known to fit is all that would stand behind it.
@@ -480,13 +485,15 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
             if smallest is None:
                 smallest = reduced.problem.memory.usage(least_memory(reduced.problem))
             raise SolverTimeout(_timeout_message(ctx, smallest)) from None
-        except ProgramInfeasible:
+        except ProgramInfeasible as e:
             if fallback is None:
+                e.fitting = fitting
                 raise
             break
         if mine:
             fallback = (problem, reduced, known, out.result.bound_s)
-        result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+        candidates = [out.result] + out.alternatives
+        result = _fastest(ctx, reduced, candidates)
         _adopt(ctx, reduced, result)
         buckets = grad_bucket_bytes(ctx) if resolved else 0.0
         # A plan that fits with its own buckets is a plan of the program setting them aside too (a tighter one,
@@ -494,10 +501,15 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         if buckets <= reserve or _peak(ctx, ctx.choice) <= ctx.memory_limit:
             fallback = None
             break
+        if fitting is None:  # kept for the verdict's path, should the program setting `buckets` aside have none
+            fitting = _fits_own(ctx, reduced, [r for r in candidates if r is not result])
+            _adopt(ctx, reduced, result)
         reserve = buckets
     else:
         if fallback is None:
-            raise ProgramInfeasible("the gradient buffers of every plan found take more than the limit leaves them")
+            e = ProgramInfeasible("the gradient buffers of every plan found take more than the limit leaves them")
+            e.fitting = fitting
+            raise e
     if fallback is not None:  # nothing faster fits with its buffers: the plan `start`
         problem, reduced, known, bound = fallback
         obj = reduced.problem.objective(known)
@@ -507,6 +519,17 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         _adopt(ctx, reduced, result)
     step = simulate(ctx).step_time if joint is None and len(recompute_variants.combinations(ctx)) > 1 else 0.0
     return problem, out, reduced, result, dict(ctx.recompute), step
+
+
+def _fits_own(ctx: PassContext, reduced, results: list) -> tuple[dict[str, int], dict[str, str]] | None:
+    """(choice, recompute variants) of the fastest of `results` that fits the limit with its own gradient
+    buffers, or None."""
+    fit = [r for r in results if (_adopt(ctx, reduced, r), _peak(ctx, ctx.choice))[1] <= ctx.memory_limit]
+    if not fit:
+        return None
+    best = _fastest(ctx, reduced, fit)
+    _adopt(ctx, reduced, best)
+    return dict(ctx.choice), dict(ctx.recompute)
 
 
 def _fastest(ctx: PassContext, reduced, results: list):
@@ -623,6 +646,19 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
         return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
     except (ProgramInfeasible, SolverTimeout):
         _raise_infeasible(ctx, smallest)
+
+
+def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
+    """Where a solve's fastest plan did not fit with its own gradient buffers and the program setting them
+    aside found nothing, but another of its plans (a quiet-axis alternative, or the plan it was an alternative
+    to) fits with its own: the fastest plan that fits with as much set aside as that plan's buffers, or that
+    plan itself. Where the program's rows count that plan over the limit after all, the verdict's search."""
+    choice, variants = fitting
+    recompute_variants.apply(ctx, variants)
+    try:
+        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
+    except ProgramInfeasible:
+        return _fit_smallest(ctx, _smallest(ctx))
 
 
 def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:

@@ -150,6 +150,29 @@ def test_a_plan_that_fits_with_its_own_gradient_buckets_is_not_solved_for_again(
 
 
 @pytest.mark.slow
+def test_a_plan_passed_over_for_one_over_the_limit_is_solved_from_not_the_least_peak(monkeypatch):
+    """Llama-3-8B on 8x8 H100, 16 sequences, at 26.915 GiB (just above its smallest peak): the solve's fastest
+    plan is a quiet-axis alternative that, with its own gradient buckets, needs more than the limit, and the
+    program setting them aside has no plan. The plan it was an alternative to fits with its own buckets: the
+    fastest plan with as much set aside is solved from it, and the verdict's search for a plan of least peak
+    is not run."""
+    from autopar.passes import solve_placements
+
+    monkeypatch.setattr(solve_placements, "_smallest", lambda ctx: pytest.fail("searched for the least peak"))
+    starts = []
+    solve_one = solve_placements._solve_one
+    monkeypatch.setattr(solve_placements, "_solve_one", lambda ctx, *a, **k: starts.append(k.get("start") is not None)
+                        or solve_one(ctx, *a, **k))
+    with torch.device("meta"):
+        model = Llama(LLAMA3_8B)
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=26.915, solver=QUIET)
+    p = autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(16, 8192, dtype=torch.long),),
+                     loss_fn=cross_entropy_loss, config=cfg)
+    assert starts == [False, True]  # the first solve, then one from the plan passed over
+    assert p.peak_memory_per_rank <= 26.915 * 2**30
+
+
+@pytest.mark.slow
 def test_a_plan_over_the_limit_with_its_own_gradient_buckets_gets_no_quiet_axis_alternatives(monkeypatch):
     """Llama-3-70B on 8x8 H100, 8 sequences, at 30.8 GiB: the program's plan, with one 25 MiB bucket set aside,
     needs more with its own buckets; it is solved for again (and the limit refused), so no program keeping an
