@@ -524,7 +524,11 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
 def _fits_own(ctx: PassContext, reduced, results: list) -> tuple[dict[str, int], dict[str, str]] | None:
     """(choice, recompute variants) of the fastest of `results` that fits the limit with its own gradient
     buffers, or None."""
-    fit = [r for r in results if (_adopt(ctx, reduced, r), _peak(ctx, ctx.choice))[1] <= ctx.memory_limit]
+    fit = []
+    for r in results:
+        _adopt(ctx, reduced, r)
+        if _peak(ctx, ctx.choice) <= ctx.memory_limit:
+            fit.append(r)
     if not fit:
         return None
     best = _fastest(ctx, reduced, fit)
@@ -641,11 +645,17 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
     figure, variants, choice = smallest
     if figure > ctx.memory_limit:
         _raise_infeasible(ctx, smallest)
-    recompute_variants.apply(ctx, variants)
-    try:  # (where the rows count the buffers, nothing is set aside)
-        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
+    try:
+        return _solve_from(ctx, choice, variants)
     except (ProgramInfeasible, SolverTimeout):
         _raise_infeasible(ctx, smallest)
+
+
+def _solve_from(ctx: PassContext, choice: dict[str, int], variants: dict[str, str]) -> tuple:
+    """_solve_one under `variants`, from the plan `choice`, setting its own gradient buffers aside (nothing where
+    the rows count the buffers)."""
+    recompute_variants.apply(ctx, variants)
+    return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
 
 
 def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
@@ -653,10 +663,8 @@ def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
     aside found nothing, but another of its plans (a quiet-axis alternative, or the plan it was an alternative
     to) fits with its own: the fastest plan that fits with as much set aside as that plan's buffers, or that
     plan itself. Where the program's rows count that plan over the limit after all, the verdict's search."""
-    choice, variants = fitting
-    recompute_variants.apply(ctx, variants)
     try:
-        return _solve_one(ctx, start=choice, reserve=0.0 if _grad_buffers(ctx) else _buckets(ctx, choice))
+        return _solve_from(ctx, *fitting)
     except ProgramInfeasible:
         return _fit_smallest(ctx, _smallest(ctx))
 
