@@ -464,8 +464,9 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     fallback = None  # (problem, reduced, start, bound): `start` fits a program with its own buffers
     fitting = None  # (choice, variants): a plan passed over for a faster one that did not fit with its buffers
     # Where the program sets the buckets aside, a plan over the limit with its own is solved for again, and where
-    # that finds nothing, the verdict's search for a plan of least peak follows: such a plan gets no quiet-axis
-    # alternatives, unless a plan known to fit is all that would stand behind it.
+    # that finds nothing, a plan of the same solve that fits with its own is solved from (`fitting`), else the
+    # verdict's search for a plan of least peak follows: such a plan gets no quiet-axis alternatives, unless a
+    # plan known to fit is all that would stand behind it.
     resolved = ctx.pipeline is None and not _grad_buffers(ctx)
     for _ in range(4):
         # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
