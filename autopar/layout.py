@@ -14,6 +14,11 @@ P_AVG = Partial("avg")
 Layout = tuple  # tuple[Placement, ...], one entry per mesh axis in mesh order
 
 
+def transpose_layout(layout: Sequence[Placement]) -> Layout:
+    """The layout of t(x) given x's layout, and back (2-D: dims 0 and 1 swap)."""
+    return tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in layout)
+
+
 def S(dim: int) -> Shard:
     return Shard(dim)
 

@@ -211,8 +211,9 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
             is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
             kind = "param" if is_param or u in ctx.param_derived else "activation"
             count = _edge_scale(ctx, u, v)
-            if is_param and cap.phase[v] == "fwd" and v in ctx.param_derived and _feeds_backward(v, ctx):
-                count *= 2  # FSDP-style: gathered again in backward instead of being kept alive
+            if kind == "param" and cap.phase[v] == "fwd" and v in ctx.param_derived and _feeds_backward(v, ctx):
+                # FSDP-style: computed again in backward instead of being kept alive, its layout changes with it
+                count *= 2
             add(u, out, ctx.key[v], i, count, kind, info.inputs[i])
     for fqn, g in cap.grads.items():
         u, out = producer(g)

@@ -6,15 +6,18 @@ import collections
 import dataclasses
 import math
 import operator
+import re
 
 import torch
 import torch.fx as fx
 
 from autopar.cost import tensor_bytes
+from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
 from autopar.passes.memory_profile import memory_profile
+from autopar.redistribute import plan_steps
 from autopar.rules.base import flat_tensor_args, op_info
 from autopar.strategy import FP8_TENSORWISE_AG
 
@@ -68,6 +71,16 @@ def simulate(ctx: PassContext) -> Simulation:
     m = ctx.microbatches
     deferred: list[tuple] = []
     rerun: set[fx.Node] = set()
+    gathers = _param_gathers(ctx)
+    gathered: dict[tuple[int, str], list[float]] = {}  # (group, phase) -> when each member is there
+
+    def gather(idx: int, phase: str, start: float, blocking: bool = True) -> list[float]:
+        """Issue group `idx` of parameter gathers (a bucket of one layer's all-gathers, or one gather on its own)
+        at `start`, once per phase; returns when each member's part is done."""
+        if (idx, phase) not in gathered:
+            gathered[(idx, phase)] = [comm(shape, dtype, src, dst, start, scale, label, blocking=blocking)
+                                      for shape, dtype, src, dst, scale, label in gathers.groups[idx].comms]
+        return gathered[(idx, phase)]
 
     def recompute_moves(again: list[fx.Node], start: float) -> float:
         """A recomputed region runs again with its collectives (codegen): the layout changes of the activations
@@ -90,7 +103,7 @@ def simulate(ctx: PassContext) -> Simulation:
                 done = max(done, moved[key])
         return done
 
-    def comm(shape, dtype, src, dst, start, scale, label, bucketed=False):
+    def comm(shape, dtype, src, dst, start, scale, label, bucketed=False, blocking=True):
         nonlocal total_comm
         flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)) if bucketed else None
         if flat is not None:  # one collective over the axes' flattened group: it holds all their links
@@ -116,7 +129,7 @@ def simulate(ctx: PassContext) -> Simulation:
             comm_axis[f"{ax}:{st.kind}"] += c
             comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
             begin = max(axis_free[st.axis], t)
-            if not bucketed:
+            if not bucketed and blocking:
                 waited[st.axis] += begin - t
             t = axis_free[st.axis] = begin + c
             total_comm += c
@@ -144,13 +157,35 @@ def simulate(ctx: PassContext) -> Simulation:
             dtype = compute_dtype(info.inputs[i].dtype, ctx)
             if strat.variant == FP8_TENSORWISE_AG and getattr(ctx.fp8_sites.get(key), "weight", None) == i:
                 dtype = torch.float8_e4m3fn  # the weight is gathered as its FP8 cast (passes/fp8_variants.py)
+            member = gathers.reads.get((node, i))
+            if member is not None and cap.phase[node] == "fwd":
+                # Codegen issues the next bucket when it waits on this one (prefetch): it gathers while this
+                # layer computes, and the first at its first use. An op waits for its own parameter's part (the
+                # bucket's whole wait matters for the first layer alone, and a template's captured layer stands
+                # for many).
+                idx, j = member
+                t_in = max(t_in, gather(idx, "fwd", compute_free)[j])
+                nxt = gathers.next_bucket[idx]
+                if nxt is not None:
+                    gather(nxt, "fwd", compute_free, blocking=False)
+                continue
+            # In the backward, a gathered weight is gathered again (codegen recomputes parameter-only values
+            # rather than saving them): its whole bucket, at the first backward use, which issues the bucket
+            # the backward needs next (prefetch).
+            again = [member[0]] if member is not None else gathers.again.get(producer(a)[0], ())
+            for idx in again if cap.phase[node] == "bwd" else ():
+                t_in = max(t_in, max(gather(idx, "bwd", compute_free)))
+                again_fwd = gathers.groups[idx].phase == "fwd"
+                nxt = gathers.next_backward.get(idx) if again_fwd else gathers.next_bucket[idx]
+                if nxt is not None:
+                    gather(nxt, "bwd", compute_free, blocking=False)
+            if member is not None:
+                continue
             # Codegen redistributes a value once per layout, dtype and phase, however many ops read it so.
             moved_key = (a, tuple(strat.ins[i]), dtype, cap.phase[node])
             if moved_key not in moved:
-                u = producer(a)[0]
-                regather = 2 if u.op == "placeholder" and node in ctx.param_derived else 1
                 moved[moved_key] = comm(info.inputs[i].shape, dtype, _out_layout(ctx, a), strat.ins[i], ready[a],
-                                        scale * regather, ctx.captured.names[node])
+                                        scale, ctx.captured.names[node])
             t_in = max(t_in, moved[moved_key])
         if cap.phase[node] == "bwd" and ctx.recomputed:
             # Recomputed forward values are computed again right before the first backward op reading them.
@@ -199,6 +234,136 @@ def simulate(ctx: PassContext) -> Simulation:
                       memory=memory, comm_by_axis=dict(comm_axis), comm_bytes_by_axis=dict(comm_bytes),
                       node_time=dict(node_time), top_ops=top, timeline=timeline,
                       waits_by_axis={a: m * w for a, w in enumerate(waited) if w})
+
+
+@dataclasses.dataclass
+class GatherGroup:
+    """Parameter gathers codegen issues as one: a bucket (codegen.lower._plan_gather_buckets), or one gather."""
+
+    phase: str  # of the first use
+    bucket: bool
+    comms: list[tuple]  # (shape, dtype, src, dst, scale, label) per member, in codegen's order
+
+
+@dataclasses.dataclass
+class ParamGathers:
+    groups: list[GatherGroup]
+    reads: dict[tuple[fx.Node, int], tuple[int, int]]  # (node, input slot) -> (group, member)
+    next_bucket: list[int | None]  # per group: the bucket of its phase codegen issues when it waits on this one
+    again: dict[fx.Node, list[int]]  # forward parameter-only value -> groups gathered in computing it
+    next_backward: dict[int, int]  # forward bucket -> the one the backward gathers again next
+
+
+def _param_gathers(ctx: PassContext) -> ParamGathers:
+    """The layout changes of parameters and of values computed from them alone, grouped as codegen issues them.
+    A parameter, its dtype cast or a 2-D transpose of either, gathered in one all-gather step, joins the bucket
+    of its layer, mesh axis and dtype (outside the layers, only the bucket just before it), in order of first
+    use; other such changes, and a bucket of one, go on their own. In the forward the next bucket is issued when
+    this one is waited on; values computed from parameters alone are computed again in the backward, their
+    gathers with them, so `again` says which groups a backward read of such a value gathers."""
+    cap = ctx.captured
+    params = set(cap.params.values()) | set(cap.buffers.values())
+    runs: list[tuple[tuple | None, str, list[tuple]]] = []  # (bucket group or None, phase, comms)
+    last: int | None = None  # the last bucket run
+    where: dict[tuple, tuple[int, int]] = {}  # member -> (run, place)
+    reads: dict[tuple[fx.Node, int], tuple] = {}
+    needs: dict[fx.Node, set] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        strat, info = ctx.chosen(ctx.key[node]), op_info(node)
+        args = [a for a in flat_tensor_args(node.args, node.kwargs)
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        own: set = set()
+        for i, a in enumerate(args):
+            u = producer(a)[0]
+            if node in ctx.param_derived and cap.phase[node] == "fwd":
+                own |= needs.get(u, set())
+            if (u not in params and u not in ctx.param_derived) or strat.ins[i] is None:
+                continue
+            if strat.variant == FP8_TENSORWISE_AG and getattr(ctx.fp8_sites.get(ctx.key[node]), "weight", None) == i:
+                continue  # gathered in FP8 on its own (codegen/fp8.py)
+            src, dst = _out_layout(ctx, a), tuple(strat.ins[i])
+            steps = [st for st in plan_steps(src, dst) if st.is_comm]
+            if not steps:
+                continue
+            dtype = compute_dtype(info.inputs[i].dtype, ctx)
+            base = _gathered_param(ctx, a)
+            one = base is not None and len(steps) == 1 and steps[0].kind == "all_gather"
+            param = base[0] if one else None
+            member = (param, transpose_layout(dst) if base[1] else dst, dtype) if one else (a, dst, dtype)
+            reads[(node, i)] = member
+            own.add(member)
+            if member in where:
+                continue
+            group = (_layer_of(cap, param), steps[0].axis, dtype, cap.phase[node]) if one else None
+            run = None
+            if group is not None and group[0]:
+                run = next((r for r, (g, _, _) in enumerate(runs) if g == group), None)
+            if run is None and group is not None and last is not None and runs[last][0] == group:
+                run = last
+            if run is None:
+                runs.append((group, cap.phase[node], []))
+                run = len(runs) - 1
+            if group is not None:
+                last = run
+            where[member] = (run, len(runs[run][2]))
+            runs[run][2].append((tuple(info.inputs[i].shape), dtype, src, dst, _scale(ctx, node)[1],
+                                 f"gather {cap.names[param if one else node]}"))
+        if node in ctx.param_derived and cap.phase[node] == "fwd":
+            needs[node] = own
+    groups = [GatherGroup(phase, group is not None and len(comms) > 1, comms) for group, phase, comms in runs]
+    nxt: list[int | None] = [None] * len(groups)
+    for i, g in enumerate(groups):
+        if g.bucket:
+            nxt[i] = next((j for j in range(i + 1, len(groups)) if groups[j].bucket), None)
+            if nxt[i] is not None and groups[nxt[i]].phase != g.phase:
+                nxt[i] = None
+    again = {n: sorted({where[m][0] for m in ms}) for n, ms in needs.items() if ms}
+    order: list[int] = []
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or cap.phase.get(node) != "bwd":
+            continue
+        args = [a for a in flat_tensor_args(node.args, node.kwargs)
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        for i, a in enumerate(args):
+            for g in ([where[reads[(node, i)]][0]] if (node, i) in reads else again.get(producer(a)[0], ())):
+                if groups[g].bucket and groups[g].phase == "fwd" and g not in order:
+                    order.append(g)
+    return ParamGathers(groups, {k: where[m] for k, m in reads.items()}, nxt, again, dict(zip(order, order[1:])))
+
+
+def _gathered_param(ctx: PassContext, a: fx.Node) -> tuple[fx.Node, bool] | None:
+    """(param, odd) when `a` is a parameter, a dtype cast of one made in its own layout, or a chain of 2-D
+    transposes of either, each reading its input as laid out (odd: an odd number of them), as
+    codegen.lower._param_view takes them; else None."""
+    params = set(ctx.captured.params.values())
+    a, odd = producer(a)[0], False
+    while a not in params:
+        if a.op != "call_function" or a not in ctx.param_derived or not a.args or not isinstance(a.args[0], fx.Node):
+            return None
+        inner = producer(a.args[0])[0]
+        lay = tuple(_out_layout(ctx, inner))
+        ins = tuple(ctx.chosen(ctx.key[a]).ins[0] or ())
+        if a.target is torch.ops.aten.t.default and a.meta["val"].dim() == 2:
+            if ins != lay or _out_layout(ctx, a) != transpose_layout(lay):
+                return None
+            a, odd = inner, not odd
+        elif a.target is torch.ops.aten._to_copy.default and len(a.args) == 1 and set(a.kwargs) <= {"dtype"} \
+                and inner in params and ins == lay == _out_layout(ctx, a):
+            a = inner
+        else:
+            return None
+    return a, odd
+
+
+def _layer_of(cap, param: fx.Node) -> str:
+    fqn = cap.names[param].split("/", 1)[1]
+    for b in cap.blocks:
+        m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)\.", fqn)
+        if m:
+            return f"{b.prefix}.{m.group(1)}"
+    return ""
 
 
 def _duration(ctx: PassContext, node: fx.Node) -> float:

@@ -325,3 +325,27 @@ def test_input_collectives_move_up_without_passing_collectives_or_breaking_order
     order = list(g.nodes)
     assert order.index(c1) < order.index(c2) < order.index(w1) < order.index(m)
     assert order.index(v) < order.index(u)
+
+
+def test_fsdp_backward_issues_the_next_layers_gather_while_this_layer_computes():
+    """In the backward, waiting on a layer's bucket of re-gathered weights issues the next bucket the backward
+    needs (as FSDP's backward prefetch): one bucket ahead, so no matmul runs between waiting on one bucket and
+    issuing the next, and the next is not issued before the previous is waited on."""
+    from autopar.codegen.collectives import BUCKET_META
+
+    with torch.device("meta"):
+        model = Llama(LLAMA_TINY)
+    config = Config(solver=SolverConfig(show_progress=False), device="h100", pins={"*": (Shard(0),)},
+                    input_placements={0: (Shard(0),)})
+    comp = compile_plan(model, autopar.fake_mesh(4, "dp"), (torch.zeros(8, 16, dtype=torch.long),),
+                        loss_fn=cross_entropy_loss, config=config)
+    nodes = list(comp.program(RankSpec.fake(("dp",), (4,), (1,))).backward.graph.nodes)
+    issues = [i for i, n in enumerate(nodes) if n.meta.get(BUCKET_META) is not None and "all_gather" in str(n.target)]
+    waits = [next(i for i, u in enumerate(nodes) if u.op == "call_function" and u.args and u.args[0] is nodes[k]
+                  and "wait" in str(u.target)) for k in issues]
+    mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(issues) == 2 * LLAMA_TINY.n_layers, [nodes[k].meta[BUCKET_META] for k in issues]
+    for k in range(1, len(issues)):
+        assert waits[k - 1] < issues[k], "issued before the bucket before it is waited on"
+        assert not [m for m in mms if waits[k - 1] < m < issues[k]], "a matmul runs before the next is issued"
+    assert [m for m in mms if m > issues[-1]], "the last bucket is issued while layers still compute"

@@ -529,6 +529,47 @@ def _ddp_mlp(dims, pins=None):
     return compile_plan(model, mesh, (x, y), loss_fn=mse, config=autopar.Config(solver=QUIET, **r))
 
 
+def test_the_simulator_gathers_parameters_in_codegens_buckets_and_order():
+    """FSDP's parameter all-gathers in the step simulator are codegen's: one bucket per layer (and mesh axis and
+    dtype), the same members in the same order; in the forward the next layer's bucket gathers while this layer
+    computes (codegen issues it when it waits on this one), in the backward a layer's bucket is gathered whole at
+    its first use, ahead of that layer's gradient reductions (which queue behind it on the axis)."""
+    from autopar.codegen import RankSpec
+    from autopar.codegen.collectives import BUCKET_META
+    from autopar.models.llama import LLAMA_TINY
+    from autopar.passes.simulate_step import _param_gathers
+
+    with torch.device("meta"):
+        model = Llama(LLAMA_TINY)
+    config = autopar.Config(solver=QUIET, device="h100", pins={"*": (Shard(0),)},
+                            input_placements={0: (Shard(0),)})
+    comp = compile_plan(model, autopar.fake_mesh(4, "dp"), (torch.zeros(8, 16, dtype=torch.long),),
+                        loss_fn=cross_entropy_loss, config=config)
+    prog = comp.program(RankSpec.fake(("dp",), (4,), (1,)))
+    emitted = [n.meta[BUCKET_META] for n in prog.forward.graph.nodes if BUCKET_META in n.meta
+               and "all_gather" in str(n.target)]
+    simulated = [tuple(c[-1].split("/", 1)[1] for c in g.comms) for g in _param_gathers(comp.ctx).groups if g.bucket]
+    assert len(emitted) > LLAMA_TINY.n_layers and simulated == emitted, (simulated, emitted)
+
+    timeline = comp.ctx.simulation.timeline
+    gathers: dict[str, list[tuple[float, float]]] = {}
+    for stream, label, begin, end in timeline:
+        if stream == "comm:dp" and label.startswith("gather param/"):
+            gathers.setdefault(label.split("/", 1)[1], []).append((begin, end))
+    layers = [b for b in emitted if b[0].startswith("layers.")]
+    assert all(len(gathers[f]) == 2 for bucket in layers for f in bucket)  # forward, and again in backward
+    compute = [(label, begin, end) for stream, label, begin, end in timeline if stream == "compute"]
+    layer0_fwd_end = max(end for label, _, end in compute if label.startswith("layers.0.") and "/fwd/" in label)
+    assert min(gathers[f][0][0] for b in layers if b[0].startswith("layers.1.") for f in b) < layer0_fwd_end
+    for bucket in layers:
+        bwd = sorted(gathers[f][1] for f in bucket)
+        assert all(b == pytest.approx(e, abs=1e-12) for (_, e), (b, _) in zip(bwd, bwd[1:]))  # one collective
+        layer = bucket[0].split(".")[1]
+        first_grad = min(begin for stream, label, begin, _ in timeline
+                         if stream == "comm:dp" and label.startswith(f"grad layers.{layer}."))
+        assert bwd[-1][1] <= first_grad
+
+
 def test_simulated_waits_count_blocking_collectives_behind_their_axis_not_queued_gradient_reductions():
     """Simulation.waits_by_axis: per mesh axis, the time blocking collectives (layout changes the compute waits
     for) spend waiting for the axis, from when their input is ready to when they start. Gradient reductions

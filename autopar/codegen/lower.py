@@ -8,7 +8,7 @@ import re
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
@@ -19,7 +19,7 @@ from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_loca
                                           localize)
 from autopar.codegen import rng
 from autopar.codegen.fp8 import Fp8Lowering
-from autopar.layout import fmt_layout, local_shape
+from autopar.layout import fmt_layout, local_shape, transpose_layout
 from autopar.plan import NodePlan, Plan
 from autopar.recompute import plan_variants, recomputed_nodes
 
@@ -185,7 +185,7 @@ class _Lowering:
         key = (new, dst)
         if key not in self.param_cache:
             p, odd = base
-            pdst = _transpose_layout(dst) if odd else dst
+            pdst = transpose_layout(dst) if odd else dst
             if (p, pdst) not in self.gathered:
                 if (p, pdst) in self.bucket_of:
                     self._gather_bucket(self.bucket_of[(p, pdst)])
@@ -207,7 +207,7 @@ class _Lowering:
                 return None
             inner = a.args[0]
             lay = self.layout_of(inner)
-            if tuple(self.node_plan(a).ins[0] or ()) != lay or self.layout_of(a) != _transpose_layout(lay):
+            if tuple(self.node_plan(a).ins[0] or ()) != lay or self.layout_of(a) != transpose_layout(lay):
                 return None
             a, odd = inner, not odd
         return a, odd
@@ -251,12 +251,13 @@ class _Lowering:
                 if base is None:
                     continue
                 p, odd = base
-                dst = _transpose_layout(tuple(dst)) if odd else tuple(dst)
+                dst = transpose_layout(tuple(dst)) if odd else tuple(dst)
                 steps = checked_steps(self.layout_of(p), dst)
                 if (p, dst) in seen or len(steps) != 1 or steps[0].kind != "all_gather":
                     continue
                 seen.add((p, dst))
-                group = (self._block_of(self._param_of(p)), steps[0].axis, p.meta["val"].dtype)
+                # A bucket gathers for one phase: a layout only the backward reads is not gathered in the forward.
+                group = (self._block_of(self._param_of(p)), steps[0].axis, p.meta["val"].dtype, self.cap.phase[node])
                 run = next((r for r in runs if r[0] == group), None) if group[0] else None
                 if run is None and runs and runs[-1][0] == group:
                     run = runs[-1]
@@ -426,11 +427,6 @@ def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]
 def _random_dropout(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target is torch.ops.aten.native_dropout.default
             and rng.is_random_dropout(node.args, node.kwargs))
-
-
-def _transpose_layout(layout: Layout) -> Layout:
-    """The layout of t(x) given x's layout, and back (2-D: dims 0 and 1 swap)."""
-    return tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in layout)
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)

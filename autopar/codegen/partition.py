@@ -154,13 +154,19 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
     for t in joint.tangents:
         _copy(g, t, env)
 
+    prefetch = _backward_prefetch(joint, recompute, live_bwd)
+
     def emit(n: fx.Node) -> None:
-        # Recomputed forward values are emitted lazily, right before their first backward use.
+        # Recomputed forward values are emitted lazily, right before their first backward use. Waiting on a
+        # bucket of parameter all-gathers so issues the bucket the backward needs next (prefetch, as FSDP does):
+        # it runs while this layer computes, ahead of this layer's gradient reductions on the same axis.
         if n in env:
             return
         for a in n.all_input_nodes:
             emit(a)
         _copy(g, n, env)
+        if _is_wait(n) and n.args[0] in prefetch:
+            emit(prefetch[n.args[0]])
 
     # Gradient synchronization (the collectives taking each gradient to its parameter's layout) is issued
     # as soon as the gradient exists and waited on at the end, so it overlaps the rest of the backward.
@@ -192,6 +198,30 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
             emit(gr)
     g.output(tuple(env[gr] if gr is not None else None for gr in grads))
     return fx.GraphModule(joint.gm, g)
+
+
+def _backward_prefetch(joint: LocalJoint, recompute: set[fx.Node], live_bwd: set[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each parameter all-gather bucket the backward gathers again -> the one it gathers next (in the order the
+    backward first needs them)."""
+    from autopar.codegen.collectives import BUCKET_META
+
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> None:
+        if n in seen or n not in recompute:
+            return
+        seen.add(n)
+        for a in n.all_input_nodes:
+            visit(a)
+        if n.meta.get(BUCKET_META) is not None:
+            order.append(n)
+
+    for n in joint.gm.graph.nodes:
+        if n in live_bwd and n.op == "call_function" and not n.meta.get(GRAD_SYNC):
+            for a in n.all_input_nodes:
+                visit(a)
+    return dict(zip(order, order[1:]))
 
 
 def _as_placeholder(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
