@@ -452,6 +452,8 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         return 0.0
     kinds: dict[tuple, list[float]] = {}
     alone = 0.0
+    # Gradients appear last layer first; a captured layer standing for several repeats as a whole, in order.
+    runs: list[tuple[str, int, list[tuple]]] = []  # (layer, count, [(kind, size)])
     for fqn in reversed(list(ctx.captured.grads)):
         u, idx = producer(ctx.captured.grads[fqn])
         pnode = ctx.captured.params[fqn]
@@ -460,7 +462,14 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         if kind == ALONE:
             alone += size * count
         elif kind is not None:
-            kinds.setdefault(kind, []).extend([size] * count)
+            layer = _layer_of(ctx.captured, pnode)
+            if not (layer and runs and runs[-1][0] == layer and runs[-1][1] == count):
+                runs.append((layer, count, []))
+            runs[-1][2].append((kind, size))
+    for layer, count, items in runs:
+        for _ in range(count if layer else 1):
+            for kind, size in items:
+                kinds.setdefault(kind, []).extend([size] if layer else [size] * count)
     largest = 0.0
     for kind, sizes in kinds.items():
         first = FIRST_BUCKET_BYTES if kind[0] == "all_reduce" else None
