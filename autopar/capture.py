@@ -93,6 +93,14 @@ class Captured:
             name = re.sub(rf"(^|[/.]){re.escape(b.prefix)}\.\d+(?=[./]|$)", rf"\g<1>{b.prefix}.*", name)
         return name
 
+    def layer_of(self, fqn: str) -> str:
+        """The repeated layer a parameter or module FQN belongs to ("layers.3"), or "" outside the layers."""
+        for b in self.blocks:
+            m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)\.", fqn)
+            if m:
+                return f"{b.prefix}.{m.group(1)}"
+        return ""
+
     def compute_nodes(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "call_function"]
 

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import math
 import operator
-import re
 
 import torch
 import torch.fx as fx
@@ -89,9 +88,7 @@ def simulate(ctx: PassContext) -> Simulation:
         done = start
         for n in again:
             strat, info, scale = ctx.chosen(ctx.key[n]), op_info(n), _scale(ctx, n)[1]
-            args = [a for a in flat_tensor_args(n.args, n.kwargs)
-                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            for i, a in enumerate(args):
+            for i, a in enumerate(_tensor_args(n)):
                 u = producer(a)[0]
                 if u.op == "placeholder" or u in ctx.param_derived:
                     continue
@@ -150,8 +147,7 @@ def simulate(ctx: PassContext) -> Simulation:
         strat = ctx.chosen(key)
         scale = _scale(ctx, node)[1]
         info = op_info(node)
-        args = [a for a in flat_tensor_args(node.args, node.kwargs)
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        args = _tensor_args(node)
         t_in = 0.0
         for i, a in enumerate(args):
             dtype = compute_dtype(info.inputs[i].dtype, ctx)
@@ -272,8 +268,7 @@ def _param_gathers(ctx: PassContext) -> ParamGathers:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         strat, info = ctx.chosen(ctx.key[node]), op_info(node)
-        args = [a for a in flat_tensor_args(node.args, node.kwargs)
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        args = _tensor_args(node)
         own: set = set()
         for i, a in enumerate(args):
             u = producer(a)[0]
@@ -296,7 +291,7 @@ def _param_gathers(ctx: PassContext) -> ParamGathers:
             own.add(member)
             if member in where:
                 continue
-            group = (_layer_of(cap, param), steps[0].axis, dtype, cap.phase[node]) if one else None
+            group = (cap.layer_of(cap.names[param].split("/", 1)[1]), steps[0].axis, dtype, cap.phase[node]) if one else None
             run = None
             if group is not None and group[0]:
                 run = next((r for r, (g, _, _) in enumerate(runs) if g == group), None)
@@ -324,8 +319,7 @@ def _param_gathers(ctx: PassContext) -> ParamGathers:
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or cap.phase.get(node) != "bwd":
             continue
-        args = [a for a in flat_tensor_args(node.args, node.kwargs)
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        args = _tensor_args(node)
         for i, a in enumerate(args):
             for g in ([where[reads[(node, i)]][0]] if (node, i) in reads else again.get(producer(a)[0], ())):
                 if groups[g].bucket and groups[g].phase == "fwd" and g not in order:
@@ -357,13 +351,9 @@ def _gathered_param(ctx: PassContext, a: fx.Node) -> tuple[fx.Node, bool] | None
     return a, odd
 
 
-def _layer_of(cap, param: fx.Node) -> str:
-    fqn = cap.names[param].split("/", 1)[1]
-    for b in cap.blocks:
-        m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)\.", fqn)
-        if m:
-            return f"{b.prefix}.{m.group(1)}"
-    return ""
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in flat_tensor_args(node.args, node.kwargs)
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def _duration(ctx: PassContext, node: fx.Node) -> float:
@@ -462,7 +452,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         if kind == ALONE:
             alone += size * count
         elif kind is not None:
-            layer = _layer_of(ctx.captured, pnode)
+            layer = ctx.captured.layer_of(fqn)
             if not (layer and runs and runs[-1][0] == layer and runs[-1][1] == count):
                 runs.append((layer, count, []))
             runs[-1][2].append((kind, size))

@@ -257,7 +257,7 @@ class _Lowering:
                     continue
                 seen.add((p, dst))
                 # A bucket gathers for one phase: a layout only the backward reads is not gathered in the forward.
-                group = (self._block_of(self._param_of(p)), steps[0].axis, p.meta["val"].dtype, self.cap.phase[node])
+                group = (self.cap.layer_of(self.cap.names[self._param_of(p)].split("/", 1)[1]), steps[0].axis, p.meta["val"].dtype, self.cap.phase[node])
                 run = next((r for r in runs if r[0] == group), None) if group[0] else None
                 if run is None and runs and runs[-1][0] == group:
                     run = runs[-1]
@@ -272,14 +272,6 @@ class _Lowering:
                                              keys=[k for k, _ in members]))
             for key, _ in members:
                 self.bucket_of[key] = len(self.buckets) - 1
-
-    def _block_of(self, param: fx.Node) -> str:
-        fqn = self.cap.names[param].split("/", 1)[1]
-        for blk in self.cap.blocks:
-            m = re.match(rf"^{re.escape(blk.prefix)}\.(\d+)\.", fqn)
-            if m:
-                return f"{blk.prefix}.{m.group(1)}"
-        return ""
 
     def _gather_bucket(self, idx: int) -> None:
         """Wait for bucket `idx` (issuing it if needed), cache each member's gathered value, and issue the next
