@@ -161,7 +161,7 @@ def simulate(ctx: PassContext) -> Simulation:
                 # for many).
                 idx, j = member
                 t_in = max(t_in, gather(idx, "fwd", compute_free)[j])
-                nxt = gathers.next_bucket[idx]
+                nxt = gathers.next_bucket.get(idx)
                 if nxt is not None:
                     gather(nxt, "fwd", compute_free, blocking=False)
                 continue
@@ -172,7 +172,7 @@ def simulate(ctx: PassContext) -> Simulation:
             for idx in again if cap.phase[node] == "bwd" else ():
                 t_in = max(t_in, max(gather(idx, "bwd", compute_free)))
                 again_fwd = gathers.groups[idx].phase == "fwd"
-                nxt = gathers.next_backward.get(idx) if again_fwd else gathers.next_bucket[idx]
+                nxt = gathers.next_backward.get(idx) if again_fwd else gathers.next_bucket.get(idx)
                 if nxt is not None:
                     gather(nxt, "bwd", compute_free, blocking=False)
             if member is not None:
@@ -245,7 +245,7 @@ class GatherGroup:
 class ParamGathers:
     groups: list[GatherGroup]
     reads: dict[tuple[fx.Node, int], tuple[int, int]]  # (node, input slot) -> (group, member)
-    next_bucket: list[int | None]  # per group: the bucket of its phase codegen issues when it waits on this one
+    next_bucket: dict[int, int]  # bucket -> the bucket of its phase codegen issues when it waits on this one
     again: dict[fx.Node, list[int]]  # forward parameter-only value -> groups gathered in computing it
     next_backward: dict[int, int]  # forward bucket -> the one the backward gathers again next
 
@@ -308,12 +308,8 @@ def _param_gathers(ctx: PassContext) -> ParamGathers:
         if node in ctx.param_derived and cap.phase[node] == "fwd":
             needs[node] = own
     groups = [GatherGroup(phase, group is not None and len(comms) > 1, comms) for group, phase, comms in runs]
-    nxt: list[int | None] = [None] * len(groups)
-    for i, g in enumerate(groups):
-        if g.bucket:
-            nxt[i] = next((j for j in range(i + 1, len(groups)) if groups[j].bucket), None)
-            if nxt[i] is not None and groups[nxt[i]].phase != g.phase:
-                nxt[i] = None
+    buckets = [i for i, g in enumerate(groups) if g.bucket]
+    nxt = {i: j for i, j in zip(buckets, buckets[1:]) if groups[i].phase == groups[j].phase}
     again = {n: sorted({where[m][0] for m in ms}) for n, ms in needs.items() if ms}
     order: list[int] = []
     for node in cap.gm.graph.nodes:
