@@ -538,3 +538,49 @@ def test_the_least_fractional_peak_decides_whether_the_relaxation_is_feasible(mo
                               relative_gap=None)
             assert not relaxations
             monkeypatch.undo()
+
+
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_a_restricted_program_keeps_only_the_layouts_of_its_strategies_and_prices_as_the_whole(backend):
+    """A warm start's program (bounded.restrict) drops the layouts no kept strategy has, so its edges get no
+    transportation columns held at 0; every choice it admits costs, fits and waits as in the whole program, and
+    its optimum is the whole program's best over those strategies. A shared redistribution's edges keep their
+    destination layouts (the group's columns are per destination layout)."""
+    from autopar.solver.bounded import restrict
+
+    rng = random.Random(3)
+    us = lambda: rng.choice([0.0, 1.0, 2.0, 5.0]) * 1e-4  # noqa: E731
+    mib = lambda: rng.choice([0.0, 1.0, 3.0]) * 2**20  # noqa: E731
+    n = {"a": 4, "b": 4, "c": 3, "d": 3}
+    # b's value is read by c and d in one group: one redistribution per source and destination layout, at one
+    # price.
+    moved = [[us() for _ in range(3)] for _ in range(3)]
+    edges = [IlpEdge("a", "b", [0, 1, 2, 2], [0, 1, 2, 0], [[us() for _ in range(3)] for _ in range(3)],
+                     axis_cost={0: [[us() for _ in range(3)] for _ in range(3)]}, layered=True),
+             IlpEdge("b", "c", [0, 2, 1, 2], [0, 1, 2], moved, group=0),
+             IlpEdge("b", "d", [0, 2, 1, 2], [1, 0, 2], moved, group=0)]
+    side = [IlpEdge("b", "c", [0, 1, 1, 2], [0, 1, 2], [[us() for _ in range(3)] for _ in range(3)],
+                    contends={0: [[rng.random() < 0.5 for _ in range(3)] for _ in range(3)]})]
+    buffers = [[IlpEdge("a", "b", [0, 1, 2, 2], [0, 1, 2, 0], [[mib() for _ in range(3)] for _ in range(3)])]]
+    memory = MemoryRows({"a": [mib() for _ in range(4)]}, [("b", [mib() for _ in range(4)]),
+                                                           ("c", [mib() for _ in range(3)])],
+                        [{0: 1.0, 1: 0.5}, {1: 1.0}], buffers=buffers)
+    p = IlpProblem(n_strategies=n, compute={k: [us() for _ in range(v)] for k, v in n.items()}, edges=edges,
+                   side_edges=side, memory=memory)
+    keep = {"a": [0, 3], "b": [1, 2], "c": [0, 2], "d": [1, 2]}
+    choices = [dict(zip(n, v)) for v in itertools.product(*(range(len(keep[k])) for k in n))]
+    peaks = sorted(p.memory.usage({k: keep[k][i] for k, i in c.items()}) for c in choices)
+    p = dataclasses.replace(p, memory_limit=peaks[len(peaks) // 2])  # binds: some kept choices are over it
+    q = restrict(p, keep)
+    assert [len(e.cost) for e in q.edges] == [2, 2, 2]  # a keeps layouts 0 and 2, b layouts 1 and 2
+    assert [len(e.cost[0]) for e in q.edges] == [2, 3, 3]  # b's layouts 1 and 2; the group's keep all three
+    for c in choices:
+        whole = {k: keep[k][i] for k, i in c.items()}
+        assert q.objective(c) == pytest.approx(p.objective(whole), rel=1e-12, abs=1e-15)
+        assert q.fits(c) == p.fits(whole)
+        assert q.memory.usage(c) == pytest.approx(p.memory.usage(whole))
+        assert q.waits(c) == pytest.approx(p.waits(whole))
+    fitting = [c for c in choices if q.fits(c)]
+    assert fitting and len(fitting) < len(choices)  # the memory row binds
+    r = solve(q, backend=backend, restricted=True)
+    assert r.objective_s == pytest.approx(min(q.objective(c) for c in fitting), rel=1e-6, abs=1e-12)

@@ -221,10 +221,17 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     m.linear_constraints.ids.extend(range(len(rows)))
     m.linear_constraints.lower_bounds.extend(lo for lo, _, _ in rows)
     m.linear_constraints.upper_bounds.extend(hi for _, hi, _ in rows)
-    mat = m.linear_constraint_matrix
+    # The matrix in row-major order, column ids ascending within a row (MathOpt's rule), each field extended once.
+    row_ids: list[int] = []
+    col_ids: list[int] = []
+    values: list[float] = []
     for r, (_, _, coefs) in enumerate(rows):
-        items = sorted((c, v) for c, v in coefs.items() if v)
-        mat.row_ids.extend([r] * len(items))
-        mat.column_ids.extend(c for c, _ in items)
-        mat.coefficients.extend(v for _, v in items)
+        cols = sorted(c for c, v in coefs.items() if v)
+        row_ids.extend([r] * len(cols))
+        col_ids.extend(cols)
+        values.extend([coefs[c] for c in cols])
+    mat = m.linear_constraint_matrix
+    mat.row_ids.extend(row_ids)
+    mat.column_ids.extend(col_ids)
+    mat.coefficients.extend(values)
     return m
