@@ -541,11 +541,11 @@ def test_the_least_fractional_peak_decides_whether_the_relaxation_is_feasible(mo
 
 
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
-def test_a_restricted_program_keeps_only_the_layouts_of_its_strategies_and_prices_as_the_whole(backend):
-    """A warm start's program (bounded.restrict) drops the layouts no kept strategy has, so its edges get no
-    transportation columns held at 0; every choice it admits costs, fits and waits as in the whole program, and
-    its optimum is the whole program's best over those strategies. A shared redistribution's edges keep their
-    destination layouts (the group's columns are per destination layout)."""
+def test_a_restricted_program_prices_its_choices_as_the_whole_program(backend):
+    """A warm start's program (bounded.restrict): every choice it admits costs, fits and waits as in the whole
+    program (edges with layouts no kept strategy has, a shared redistribution, a layered gradient edge, a
+    contending side edge, memory rows with a buffer), and its optimum is the whole program's best over those
+    strategies."""
     from autopar.solver.bounded import restrict
 
     rng = random.Random(3)
@@ -572,8 +572,6 @@ def test_a_restricted_program_keeps_only_the_layouts_of_its_strategies_and_price
     peaks = sorted(p.memory.usage({k: keep[k][i] for k, i in c.items()}) for c in choices)
     p = dataclasses.replace(p, memory_limit=peaks[len(peaks) // 2])  # binds: some kept choices are over it
     q = restrict(p, keep)
-    assert [len(e.cost) for e in q.edges] == [2, 2, 2]  # a keeps layouts 0 and 2, b layouts 1 and 2
-    assert [len(e.cost[0]) for e in q.edges] == [2, 3, 3]  # b's layouts 1 and 2; the group's keep all three
     for c in choices:
         whole = {k: keep[k][i] for k, i in c.items()}
         assert q.objective(c) == pytest.approx(p.objective(whole), rel=1e-12, abs=1e-15)

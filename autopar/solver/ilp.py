@@ -73,26 +73,9 @@ class IlpEdge:
     contends: dict[int, Sequence[Sequence[bool]]] | None = None
 
     def restricted(self, kept: dict[str, list[int]]) -> "IlpEdge":
-        """The edge over the strategies `kept` lists per key, and over the layouts they use (a layout no kept
-        strategy has would get pair variables held at 0)."""
-        src_index = [self.src_index[i] for i in kept[self.src]]
-        a_used = sorted(set(src_index))
-        dst_index = None if self.dst is None else [self.dst_index[i] for i in kept[self.dst]]
-        # A group's edges share one redistribution per destination layout index: those stay as they are.
-        b_used = list(range(len(self.cost[0]))) if dst_index is None or self.group is not None else \
-            sorted(set(dst_index))
-        if len(a_used) == len(self.cost) and len(b_used) == len(self.cost[0]):
-            return dataclasses.replace(self, src_index=src_index, dst_index=dst_index)
-
-        def sub(m):
-            return [[m[a][b] for b in b_used] for a in a_used]
-
-        a_pos, b_pos = {a: i for i, a in enumerate(a_used)}, {b: i for i, b in enumerate(b_used)}
-        return dataclasses.replace(
-            self, src_index=[a_pos[a] for a in src_index],
-            dst_index=None if dst_index is None else [b_pos[b] for b in dst_index], cost=sub(self.cost),
-            axis_cost=None if self.axis_cost is None else {ax: sub(m) for ax, m in self.axis_cost.items()},
-            contends=None if self.contends is None else {ax: sub(m) for ax, m in self.contends.items()})
+        """The edge over the strategies `kept` lists per key."""
+        return dataclasses.replace(self, src_index=[self.src_index[i] for i in kept[self.src]],
+                                   dst_index=None if self.dst is None else [self.dst_index[i] for i in kept[self.dst]])
 
 
 @dataclasses.dataclass
