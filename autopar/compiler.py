@@ -103,7 +103,7 @@ def _heap_frozen():
     """Leave the objects alive when the passes start (the model, its captured graph, torch's own) out of the
     garbage collector's full passes until they end: the solver's programs allocate millions of small objects,
     and each full pass otherwise walks that whole heap again (Llama-3-8B at its smallest feasible peak on 8x8:
-    the full passes during the passes took 0.6 s without this and 0.35 s with it). The outermost call freezes
+    the full passes during the passes took 0.61 s without this and 0.33 s with it). The outermost call freezes
     and unfreezes."""
     outermost = gc.get_freeze_count() == 0
     if outermost:
