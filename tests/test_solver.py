@@ -514,10 +514,10 @@ def test_the_most_any_choice_can_hold_bounds_every_choice_and_such_a_limit_does_
 
 
 def test_the_least_fractional_peak_decides_whether_the_relaxation_is_feasible(monkeypatch):
-    """lp.peak_relaxation (the program minimizing the largest memory row, without edges, relaxed) bounds every
+    """highs.peak_relaxation (the program minimizing the largest memory row, without edges, relaxed) bounds every
     choice's peak from below, and the relaxation with memory rows is feasible just above it and infeasible just
     below: so solve_bounded refuses a limit below it without solving that relaxation."""
-    from autopar.solver import lp, solve_bounded
+    from autopar.solver import highs, solve_bounded
 
     rng = random.Random(4)
     for make in (_linked_problem, _buffered_problem):
@@ -526,15 +526,15 @@ def test_the_least_fractional_peak_decides_whether_the_relaxation_is_feasible(mo
             keys = sorted(p.n_strategies)
             least = min(p.memory.usage(dict(zip(keys, v)))
                         for v in itertools.product(*(range(p.n_strategies[k]) for k in keys)))
-            bound = lp.peak_relaxation(p, None)
-            assert 0 < bound <= least * (1 + 1e-9)
-            lp.relaxation(dataclasses.replace(p, memory_limit=bound * (1 + 1e-6)), None)
+            lp = highs.peak_relaxation(p, None)
+            assert 0 < lp <= least * (1 + 1e-9)
+            highs.relaxation_highs(dataclasses.replace(p, memory_limit=lp * (1 + 1e-6)), None)
             with pytest.raises(ProgramInfeasible):
-                lp.relaxation(dataclasses.replace(p, memory_limit=bound * (1 - 1e-3)), None)
+                highs.relaxation_highs(dataclasses.replace(p, memory_limit=lp * (1 - 1e-3)), None)
             relaxations = []
-            monkeypatch.setattr(lp, "relaxation", lambda *a: relaxations.append(1) or 1 / 0)
+            monkeypatch.setattr(highs, "relaxation_highs", lambda *a: relaxations.append(1) or 1 / 0)
             with pytest.raises(ProgramInfeasible):
-                solve_bounded(dataclasses.replace(p, memory_limit=bound * (1 - 1e-3)), backend="highs", deadline=None,
+                solve_bounded(dataclasses.replace(p, memory_limit=lp * (1 - 1e-3)), backend="highs", deadline=None,
                               relative_gap=None)
             assert not relaxations
             monkeypatch.undo()

@@ -127,7 +127,7 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
            priced_right: Callable[[dict[str, int]], bool] | None = None) -> Bounded | None:
     """The plan by the path above, from the plan `known` where one is given; None when the relaxation's bound
     is at least `cutoff` seconds; see solve_bounded for `priced_right`."""
-    from autopar.solver.lp import peak_relaxation, relaxation
+    from autopar.solver.highs import peak_relaxation, relaxation_highs
 
     seen, timings = _Tracker(p), {}  # timings end in the plan's solver stats
     # A limit that no choice's peak reaches does not bind: the relaxation is the one without memory rows.
@@ -150,7 +150,7 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         free = pool.submit(_priced_relaxation, p, [], 0.0, deadline) if limited else None
         t = time.perf_counter()
         try:
-            lb, x, size = relaxation(p, _remaining(deadline))
+            lb, x, size = relaxation_highs(p, _remaining(deadline))
         except SolverTimeout as e:
             raise _timeout(e, seen) from None
         prices = size.pop("memory_prices", [])
@@ -221,7 +221,7 @@ def _priced_relaxation(p: IlpProblem, prices: list[float], markup: float, deadli
     marginal value, since the bounded relaxation fills the limit exactly by mixing strategies and a plan
     needs room to spare. Each is an unbounded relaxation, several times faster than one with memory rows.
     Empty when the deadline passes first."""
-    from autopar.solver.lp import relaxation
+    from autopar.solver.highs import relaxation_highs
 
     mem, total = p.memory, sum(prices)
     compute = {k: list(v) for k, v in p.compute.items()}
@@ -250,8 +250,8 @@ def _priced_relaxation(p: IlpProblem, prices: list[float], markup: float, deadli
                                       axis_cost=None, contends=None, layered=False)
                   for e in {id(e): e for buf in mem.buffers for e in buf}.values()]
     try:
-        _, x, _ = relaxation(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
-                                                 links=priced, edges=edges), _remaining(deadline))
+        _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
+                                                       links=priced, edges=edges), _remaining(deadline))
     except (ProgramInfeasible, SolverTimeout):
         return {}
     return _support(x)
@@ -270,11 +270,11 @@ class _Later:
 
 
 class _Pool(concurrent.futures.ThreadPoolExecutor):
-    """Runs independent solves beside the caller where the machine has a second core (MathOpt releases the GIL
-    while a solver runs; each solve is single-threaded and deterministic, so the plan does not depend on timing).
+    """Runs independent solves beside the caller where the machine has a second core (HiGHS releases the GIL
+    while it solves; each solve is single-threaded and deterministic, so the plan does not depend on timing).
     On one core a submitted call runs when its result is read, so work that turns out unneeded is not done.
-    Leaving the pool does not wait for a solve whose result was not read: it ends on its own thread (a running
-    LP cannot be interrupted) while the caller goes on."""
+    Leaving the pool does not wait for a solve whose result was not read: it ends on its own thread (HiGHS
+    cannot be interrupted in an LP) while the caller goes on."""
 
     def __init__(self):
         self.beside = (os.cpu_count() or 1) > 1

@@ -7,6 +7,7 @@ S + sum_t w[i,t] m_t holds a few dozen entries instead of one per strategy.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from typing import Callable
@@ -85,6 +86,40 @@ def solve_highs(p: IlpProblem, remaining: float | None, objective: str, hint: di
 def _forget_restricted() -> None:
     global _restricted_known
     _restricted_known = False
+
+
+def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dict[str, list[float]], dict]:
+    """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size).
+    With memory rows, size["memory_prices"] holds each candidate point's shadow price (seconds per byte)."""
+    t0 = time.perf_counter()
+    prog = build_program(p)
+    proto = _relaxed(_model(prog, "time"))
+    t1 = time.perf_counter()
+    res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
+    val = _check(res)
+    x = {k: [val.get(c, 0.0) for c in cols] for k, cols in prog.x.items()}
+    n_points = len(prog.points) if has_memory(prog) else 0
+    duals = res.solutions[0].dual_solution.dual_values
+    dual = dict(zip(duals.ids, duals.values))
+    rows = len(proto.linear_constraints.ids)
+    # The point rows come last (_model); a binding <= row of a minimization has a dual <= 0.
+    prices = [max(-dual.get(r, 0.0), 0.0) * SECONDS_PER_HIGHS_TIME_UNIT / BYTES_PER_HIGHS_MEMORY_UNIT
+              for r in range(rows - n_points, rows)]
+    size = {"memory_prices": prices, "variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
+            "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
+            "build_seconds": t1 - t0, "solve_seconds": time.perf_counter() - t1}
+    return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
+
+
+def peak_relaxation(p: IlpProblem, remaining: float | None) -> float:
+    """A lower bound on any plan's peak in bytes: the relaxation of the program minimizing the largest memory
+    row. It has no edges (a gradient buffer's come with the memory rows), so it is small; where it exceeds the
+    limit, the relaxation with memory rows is infeasible too, and so is the program."""
+    prog = build_program(dataclasses.replace(p, edges=[], side_edges=[], memory_limit=None))
+    proto = _relaxed(_model(prog, "peak"))
+    res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
+    _check(res)
+    return res.termination.objective_bounds.dual_bound * BYTES_PER_HIGHS_MEMORY_UNIT
 
 
 def _relaxed(proto: model_pb2.ModelProto) -> model_pb2.ModelProto:
