@@ -34,13 +34,27 @@ class Heads:
 HEADS = Heads()
 
 
+def stack_pattern(prefix: str, first: int = 0) -> str:
+    """A regex of `prefix.i` for the layers of a stack whose children before `first` differ from the rest (i >=
+    first); group 1 is the index."""
+    skip = f"(?!(?:{'|'.join(str(i) for i in range(first))})(?=[./]|$))" if first else ""
+    return rf"{re.escape(prefix)}\.{skip}(\d+)"
+
+
 @dataclasses.dataclass
 class Block:
-    """A repeated layer stack: `prefix.i` for i < count in the model, `captured` of them in the graph."""
+    """A repeated layer stack: `prefix.i` for first <= i < first + count in the model, `captured` of them in the
+    graph. The children before `first` (a first layer that also builds what the others share, such as T5's
+    relative position bias) are outside the stack."""
 
     prefix: str
     count: int
     captured: int
+    first: int = 0
+
+    @property
+    def pattern(self) -> str:
+        return stack_pattern(self.prefix, self.first)
 
 
 @dataclasses.dataclass
@@ -56,7 +70,7 @@ class Captured:
     grads: dict[str, fx.Node]
     phase: dict[fx.Node, str]
     module_of: dict[fx.Node, str]
-    block_of: dict[fx.Node, tuple[str, int]]
+    block_of: dict[fx.Node, tuple[str, int]]  # (stack prefix, layer index within the stack: 0 is its first)
     blocks: list[Block]
     input_specs: list[tuple[tuple[int, ...], torch.dtype]]
     param_specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -90,16 +104,17 @@ class Captured:
 
     def block_relative(self, name: str) -> str:
         for b in self.blocks:
-            name = re.sub(rf"(^|[/.]){re.escape(b.prefix)}\.\d+(?=[./]|$)", rf"\g<1>{b.prefix}.*", name)
+            name = re.sub(rf"(^|[/.]){b.pattern}(?=[./]|$)", rf"\g<1>{b.prefix}.*", name)
         return name
 
     def layer_of(self, fqn: str) -> str:
         """The repeated layer a parameter or module FQN belongs to ("layers.3"), or "" outside the layers."""
-        for b in self.blocks:
-            m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)\.", fqn)
-            if m:
-                return f"{b.prefix}.{m.group(1)}"
-        return ""
+        b = self.stack_of(fqn)
+        return "" if b is None else re.match(b.pattern, fqn).group(0)
+
+    def stack_of(self, fqn: str) -> Block | None:
+        """The repeated layer stack a parameter or module FQN lies in, or None."""
+        return next((b for b in self.blocks if re.match(rf"^{b.pattern}\.", fqn)), None)
 
     def compute_nodes(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "call_function"]
@@ -141,14 +156,19 @@ def _loss_from_output(out: Any) -> torch.Tensor:
                      "or give the model labels so it returns .loss")
 
 
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """ModuleLists of at least two structurally identical children (transformer layers)."""
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList, int]]:
+    """ModuleLists ending in at least two structurally identical children (transformer layers): (name, list,
+    index of the first of them). Children before those (T5's first layer, which holds the relative position
+    bias the others reuse) stay outside the stack."""
     found = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
-            sigs = {_structure(c) for c in mod}
-            if len(sigs) == 1:
-                found.append((name, mod))
+            sigs = [_structure(c) for c in mod]
+            first = len(sigs) - 1
+            while first > 0 and sigs[first - 1] == sigs[-1]:
+                first -= 1
+            if len(mod) - first >= 2:
+                found.append((name, mod, first))
     return found
 
 
@@ -189,10 +209,10 @@ def _truncated(model: nn.Module, keep: int | None):
     blocks = find_blocks(model)
     saved = []
     if keep is not None:
-        for _, ml in blocks:
-            if len(ml) > keep:
+        for _, ml, first in blocks:
+            if len(ml) > first + keep:
                 saved.append((ml, dict(ml._modules)))
-                ml._modules = {str(i): ml._modules[str(i)] for i in range(keep)}
+                ml._modules = {str(i): ml._modules[str(i)] for i in range(first + keep)}
     try:
         yield blocks
     finally:
@@ -255,7 +275,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
             raise
         except Exception as e:  # noqa: BLE001 - report where in the user's model tracing failed
             raise CaptureError.from_exception(e) from e
-    block_list = [Block(name, count=len(ml), captured=min(len(ml), template_layers or len(ml))) for name, ml in blocks]
+    block_list = [Block(name, count=len(ml) - first, captured=min(len(ml) - first, template_layers or len(ml)),
+                        first=first) for name, ml, first in blocks]
     _merge_tied(gm, _tie_groups(model))
     _dedupe_casts(gm)
     if read_state_only:
@@ -424,9 +445,9 @@ def _describe(gm: fx.GraphModule, blocks: list[Block], heads: bool = False) -> C
     block_of = {}
     for node, mod in module_of.items():
         for b in blocks:
-            m = re.match(rf"^{re.escape(b.prefix)}\.(\d+)(\.|$)", mod or "")
+            m = re.match(rf"^{b.pattern}(\.|$)", mod or "")
             if m:
-                block_of[node] = (b.prefix, int(m.group(1)))
+                block_of[node] = (b.prefix, int(m.group(1)) - b.first)
     checkpointed = {n for n, ph in phase.items() if ph == "fwd" and compat.checkpoint_region(n) is not None}
     cap = Captured(gm=gm, names=names, nodes={v: k for k, v in names.items()}, params=params, buffers=buffers,
                    inputs=inputs, tangents=tangents, loss=loss, grads=grads, phase=phase, module_of=module_of,

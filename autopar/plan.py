@@ -155,6 +155,8 @@ class Plan:
     memory_breakdown: dict[str, int]
     fingerprint: str
     blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Stacks whose layers start past index 0 (autopar.capture.Block.first): prefix -> index of the first layer.
+    block_first: dict[str, int] = dataclasses.field(default_factory=dict)
     param_numel: dict[str, int] = dataclasses.field(default_factory=dict)
     memory_limit: int = 0
     solver_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -205,9 +207,17 @@ class Plan:
     # --- lookup -----------------------------------------------------------------------------------------
     def key(self, name: str) -> str:
         """Plan key of a node name or parameter FQN: block indices become `*`."""
+        from autopar.capture import stack_pattern
+
         for prefix in self.blocks:
-            name = re.sub(rf"(^|[/.]){re.escape(prefix)}\.\d+(?=[./]|$)", rf"\g<1>{prefix}.*", name)
+            name = re.sub(rf"(^|[/.]){stack_pattern(prefix, self.block_first.get(prefix, 0))}(?=[./]|$)",
+                          rf"\g<1>{prefix}.*", name)
         return name
+
+    def _layers(self, prefix: str) -> range:
+        """Indices of a stack's layers in the model."""
+        first = self.block_first.get(prefix, 0)
+        return range(first, first + self.blocks[prefix])
 
     def node(self, name: str) -> NodePlan:
         return self.nodes[self.key(name)]
@@ -228,7 +238,7 @@ class Plan:
             if m is None:
                 out.append(key)
             else:
-                out.extend(key.replace(f"{m[0]}.*.", f"{m[0]}.{i}.") for i in range(m[1]))
+                out.extend(key.replace(f"{m[0]}.*.", f"{m[0]}.{i}.") for i in self._layers(m[0]))
         return out
 
     def fp8_modules(self) -> list[str]:
@@ -239,7 +249,8 @@ class Plan:
         for key in fp8_nodes(self):
             mod = node_module(key)
             m = next(((p, c) for p, c in self.blocks.items() if mod.startswith(f"{p}.*.")), None)
-            out.update([mod] if m is None else (mod.replace(f"{m[0]}.*.", f"{m[0]}.{i}.", 1) for i in range(m[1])))
+            out.update([mod] if m is None else (mod.replace(f"{m[0]}.*.", f"{m[0]}.{i}.", 1)
+                                                for i in self._layers(m[0])))
         return sorted(out)
 
     @property
@@ -316,6 +327,8 @@ class Plan:
             "microbatches": self.microbatches,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
+        if self.block_first:
+            d["block_first"] = dict(sorted(self.block_first.items()))
         if self.fp8:
             d["fp8"] = dict(sorted(self.fp8.items()))
         if self.recompute:
@@ -344,7 +357,8 @@ class Plan:
                 transitions=[Transition.from_json(t) for t in d["transitions"]],
                 estimated_step_time=d["estimated_step_time"], peak_memory_per_rank=d["peak_memory_per_rank"],
                 cost_breakdown=d["cost_breakdown"], memory_breakdown=d["memory_breakdown"],
-                fingerprint=d["fingerprint"], blocks=d.get("blocks", {}), param_numel=d.get("param_numel", {}),
+                fingerprint=d["fingerprint"], blocks=d.get("blocks", {}),
+                block_first=d.get("block_first", {}), param_numel=d.get("param_numel", {}),
                 memory_limit=d.get("memory_limit", 0), solver_stats=d.get("solver", {}), version=d["version"],
                 mixed_precision=d.get("mixed_precision"), model=d.get("model"), config=d.get("config"),
                 batch_norms=d.get("batch_norms", {}),

@@ -50,4 +50,4 @@ def sources(cap: Captured) -> set[fx.Node]:
 def in_block_state(cap: Captured, node: fx.Node) -> bool:
     """A parameter or buffer of one of the repeated layers."""
     fqn = cap.names[node].split("/", 1)[-1]
-    return any(fqn.startswith(b.prefix + ".") for b in cap.blocks)
+    return cap.stack_of(fqn) is not None

@@ -39,10 +39,9 @@ def _scale(ctx: PassContext, node: fx.Node) -> tuple[str, float]:
         return "in", b.count / b.captured
     name = cap.names.get(node, "")
     if node.op == "placeholder":
-        fqn = name.split("/", 1)[-1]
-        for b in cap.blocks:
-            if fqn.startswith(b.prefix + "."):
-                return "in", b.count / b.captured
+        b = cap.stack_of(name.split("/", 1)[-1])
+        if b is not None:
+            return "in", b.count / b.captured
     return "out", 1.0
 
 
@@ -278,12 +277,11 @@ def layer_differences(ctx: PassContext) -> list[str]:
             layers = sorted({cap.block_of[n][1] for n in nodes if cap.block_of.get(n, ("",))[0] == b.prefix})
             if layers and len(layers) < b.captured:
                 name = cap.block_relative(cap.names[nodes[0]])
+                span = f"{b.prefix}.{b.first} to {b.prefix}.{b.first + b.captured - 1}"
                 if name != key:  # keyed per layer
-                    out.append(f"{name} ({nodes[0].target}) has other shapes or arguments in some layers of "
-                               f"{b.prefix}.0 to {b.prefix}.{b.captured - 1}")
+                    out.append(f"{name} ({nodes[0].target}) has other shapes or arguments in some layers of {span}")
                 else:
-                    where = ", ".join(f"{b.prefix}.{i}" for i in layers)
-                    out.append(f"{name} ({nodes[0].target}) runs in {where} only, of {b.prefix}.0 to "
-                               f"{b.prefix}.{b.captured - 1}")
+                    where = ", ".join(f"{b.prefix}.{b.first + i}" for i in layers)
+                    out.append(f"{name} ({nodes[0].target}) runs in {where} only, of {span}")
                 break
     return out

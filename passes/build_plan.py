@@ -41,6 +41,7 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             steps += " in fp8"  # the weight is cast to FP8 on its shard, then gathered
         transitions.append(Transition(e.src, e.dst, e.arg, src, dst, steps, c.cost[a][b], e.count, e.kind))
     blocks = {b.prefix: b.count for b in cap.blocks}
+    block_first = {b.prefix: b.first for b in cap.blocks if b.first}
     numel = {}
     for fqn, node in cap.params.items():
         n = 1
@@ -52,7 +53,8 @@ def build_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         estimated_step_time=sim.step_time, peak_memory_per_rank=sim.peak_memory,
         cost_breakdown={"compute_s": sim.compute_time, "comm_s": sim.comm_time, "exposed_comm_s": sim.exposed_comm,
                         "optimizer_s": sim.optimizer_time, **{f"comm[{k}]_s": v for k, v in sim.comm_by_axis.items()}},
-        memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, param_numel=numel,
+        memory_breakdown=sim.memory, fingerprint=fingerprint(ctx), blocks=blocks, block_first=block_first,
+        param_numel=numel,
         memory_limit=int(ctx.memory_limit), solver_stats=dict(ctx.solver_stats), mixed_precision=ctx.precision.name,
         comm_bytes=dict(sim.comm_bytes_by_axis), timeline=[list(e) for e in sim.timeline[:TIMELINE_EVENTS]],
         batch_norms=_batch_norms(ctx), fp8=fp8_variants.summary(ctx, nodes), microbatches=ctx.microbatches,
@@ -112,7 +114,8 @@ def fingerprint(ctx: PassContext) -> str:
         v = node.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else None
         h.update(f"{key}|{node_op(key, node)}|{shape}|{key_count(ctx, key)}\n".encode())
-    h.update(repr(sorted((b.prefix, b.count) for b in ctx.captured.blocks)).encode())
+    stacks = [(b.prefix, b.count) + ((b.first,) if b.first else ()) for b in ctx.captured.blocks]
+    h.update(repr(sorted(stacks)).encode())
     h.update(repr(ctx.mesh.shape).encode())
     return h.hexdigest()[:16]
 

@@ -267,8 +267,9 @@ def _result(ctx: PassContext, setup: Setup, best, priced, send: float) -> dict:
     first = list(dict.fromkeys(_module(k) for k in keys if setup.side[k] == "first"))
     last = list(dict.fromkeys(_module(k) for k in keys if setup.side[k] == "last"))
     modules = []
+    offset = ctx.captured.blocks[0].first  # the stack's layers are prefix.offset onwards
     for s, (a, b) in enumerate(layers):
-        mods = (first if s == 0 else []) + [f"{setup.prefix}.{i}" for i in range(a, b)]
+        mods = (first if s == 0 else []) + [f"{setup.prefix}.{offset + i}" for i in range(a, b)]
         modules.append(mods + (last if s == len(layers) - 1 else []))
     return dict(
         axis=ctx.mesh.axis_names[setup.axis], ranks=setup.size, stages=len(best.counts), virtual_stages=best.virtual,

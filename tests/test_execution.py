@@ -147,7 +147,9 @@ def build(name: str):
     if name.startswith("hf_"):
         from autopar.testing.hf_models import MODELS
 
-        model, args, kwargs = MODELS[name[3:]](batch=4, **({} if name == "hf_vit" else {"seq": 16}))
+        base, _, layers = name[3:].partition("@")  # "hf_t5@3": three layers
+        model, args, kwargs = MODELS[base](batch=4, **({} if name == "hf_vit" else {"seq": 16}),
+                                           **({"layers": int(layers)} if layers else {}))
         return WithLabels(model), (*args, kwargs["labels"]), own_loss
     raise KeyError(name)
 
@@ -413,6 +415,8 @@ CASES = [
     # Megatron where the recipe knows the projection names, FSDP, or random strategies with tensor-parallel matmuls.
     ("hf_llama", "dp2xtp2", "megatron"), ("hf_qwen2", "dp2xtp2", "fsdp_tp"), ("hf_gpt2", "dp2xtp2", "random:5"),
     ("hf_bert", "dp2xtp2", "random:1"), ("hf_t5", "dp2xtp2", "fsdp"), ("hf_vit", "dp2xtp2", "random:1"),
+    # T5 of three layers: the first of each stack holds the position bias, the other two share one plan.
+    ("hf_t5@3", "dp2xtp2", "random:1"),
     # Random strategies exercise every collective and nesting of shards the rules allow.
     ("mlp", "dp2xtp2", "random:1"), ("llama", "dp2xtp2", "random:1"),
 ]

@@ -50,10 +50,12 @@ def bert(batch=4, seq=32, **over):
     return BertForMaskedLM(cfg), (ids,), {"labels": ids}
 
 
-def t5(batch=4, seq=32, **over):
+def t5(batch=4, seq=32, layers=2, **over):
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+    # The first layer of each stack differs (it holds the relative position bias): with layers >= 3 the others
+    # form a repeated stack.
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_decoder_layers=layers,
                    num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **over)
     ids = _ids(batch, seq, cfg.vocab_size)
     return T5ForConditionalGeneration(cfg), (ids,), {"labels": ids}
