@@ -8,9 +8,10 @@
 2. On CPU (4 gloo processes, a (dp=2, tp=2) mesh, a Llama of 4 layers of width 256 on 8 x 64 tokens): the
    peak memory per rank the plan predicts against the one measured over a step after a warm-up step
    (autopar.testing.memory), for the solver's plan with and without recomputation (selective, full, and the
-   first 2 of the 4 layers in full, the others selective) and the DP, FSDP and Megatron recipes.
+   first 2 of the 4 layers in full, the others selective) and the DP, FSDP, FSDP+TP and Megatron recipes.
+   With --tokens 4x8 (sequences x tokens), a step whose weights outweigh its activations.
 
-Usage: python benchmarks/memory.py [--405b] [--no-cpu]
+Usage: python benchmarks/memory.py [--405b] [--no-cpu] [--tokens 8x64]
 """
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ def plan_row(name: str, mode: str, limit_gb: float = 80) -> str:
             f"{rc:23} {','.join(sorted(p.techniques)):22} ({time.perf_counter() - t0:5.1f} s)")
 
 
-def build_small():
+def build_small(batch: int = 8, seq: int = 64):
     torch.manual_seed(0)
-    tokens = torch.randint(0, LLAMA_SMALL.vocab_size, (8, 64), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, LLAMA_SMALL.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     return Llama(LLAMA_SMALL), (tokens,), cross_entropy_loss
 
 
-def cpu_table() -> None:
+def cpu_table(batch: int = 8, seq: int = 64) -> None:
+    import functools
+
     from autopar import recipes
     from autopar.mesh import MeshSpec
     from autopar.testing.dist import get_pool
@@ -67,18 +70,19 @@ def cpu_table() -> None:
 
     names, shape = ("dp", "tp"), (2, 2)
     pool = get_pool(4)
-    model, inputs, loss_fn = build_small()
+    build = functools.partial(build_small, batch, seq)
+    model, inputs, loss_fn = build()
     spec = MeshSpec(names, shape, ("loopback", "loopback"), "cpu")
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
     kinds = {"solver": {}, "solver, selective": {"recompute": "selective"}, "solver, full": {"recompute": "full"},
              "solver, full/2/sel": {"recompute": "full/2/selective"}}
     kinds.update({r: dict(recipes.recipe(r)(shapes, spec, n_inputs=1), recompute="off")
-                  for r in ("ddp", "fsdp", "megatron")})
+                  for r in ("ddp", "fsdp", "fsdp+tp", "megatron")})
     print(f"\n{'plan':18} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for kind, cfg in kinds.items():
         p = autopar.plan(model, autopar.fake_mesh(shape, names, "cpu"), inputs, loss_fn=loss_fn,
                          config=Config(solver=QUIET, **cfg))
-        measured = max(r["peak"] for r in pool.run(measure_plan_step, build_small, p.to_json()))
+        measured = max(r["peak"] for r in pool.run(measure_plan_step, build, p.to_json()))
         print(f"{kind:18} {p.peak_memory_per_rank / 2**20:7.2f} MiB {measured / 2**20:7.2f} MiB "
               f"{measured / p.peak_memory_per_rank:6.3f}")
 
@@ -87,7 +91,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--405b", dest="big", action="store_true", help="also plan Llama-3-405B (about a minute each)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the measured CPU table")
+    ap.add_argument("--tokens", default="8x64", help="the CPU table's sequences x tokens per sequence")
+    ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
     args = ap.parse_args()
+    batch, seq = (int(x) for x in args.tokens.split("x"))
+    if args.cpu_only:
+        cpu_table(batch, seq)
+        return
     print(f"{'model':12} {'GB':>4} {'mode':5} {'peak/rank':>12} {'step':>10}  {'recompute':23} {'techniques':22} "
           "(planning)")
     for name in ("llama3-8b", "llama3-70b") + (("llama3-405b",) if args.big else ()):
@@ -96,7 +106,7 @@ def main() -> None:
     # Between the selective and the full plan's peak: the first half of the layers in full, the rest selective.
     print(plan_row("llama3-70b", "auto", limit_gb=70), flush=True)
     if not args.no_cpu:
-        cpu_table()
+        cpu_table(batch, seq)
 
 
 if __name__ == "__main__":
