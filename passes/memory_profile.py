@@ -9,8 +9,14 @@ constrains every candidate point, so the plan it returns fits as the step simula
 
 Liveness: an allocation lives from its node to its last reader (a view, or a tuple element, shares its base's
 allocation, and a view of a graph input holds none), and a value saved for backward until the backward ends
-(the runtime passes the saved tensors to the backward graph as inputs, held until it returns); gradients leave
-at once for the persistent gradient buffers. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
+(the runtime passes the saved tensors to the backward graph as inputs, held until it returns). The parameters'
+gradient buffers (`.grad`) hold nothing during the step (`optimizer.zero_grad()` sets them to None): a
+parameter's gradient counts from the op that produces it to the end of the backward, in its parameter's layout
+(the reduced gradient it becomes); what it takes beyond that before it is reduced (an FSDP weight's full-size
+partial sum waiting for its bucket, a bucket's copy) is the gradient collective buffers'
+(simulate_step.grad_bucket_bytes). So `static` holds no gradient bytes; `term_key` names the gradient columns.
+With several microbatches or under a pipeline gradients accumulate over the step instead, and `static` holds
+them. Values computed from parameters alone (a cast or gathered weight) live during their forward uses and
 again during their backward uses, since codegen recomputes them in backward rather than saving them; so do
 recomputed activations (autopar/recompute.py: the plan's recomputed layers and the model's checkpointed
 regions), from the point backward first needs them, and the values they are recomputed from are kept until then.
@@ -33,20 +39,34 @@ from autopar.passes.context import PassContext
 
 @dataclasses.dataclass
 class MemoryProfile:
-    keys: list[str]  # keys owning allocations, the columns of `weight`
-    act_bytes: dict[str, np.ndarray]  # key -> bytes of one instance's outputs per strategy
+    keys: list[str]  # the columns of `weight`: keys owning allocations, then gradient terms (`term_key`)
+    act_bytes: dict[str, np.ndarray]  # column -> bytes of one instance's outputs per strategy of its key
     static: dict[str, np.ndarray]  # parameter key -> persistent bytes per strategy (all its instances)
-    weight: np.ndarray  # (points, len(keys)): live instances of each key at each schedule point
+    weight: np.ndarray  # (points, len(keys)): live instances of each column at each schedule point
+    # A gradient column's key (the key of the op producing the gradients it counts); other columns are keys.
+    term_key: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def key_of(self, column: str) -> str:
+        return self.term_key.get(column, column)
 
     def peak(self, choice: dict[str, int]) -> tuple[float, float, int]:
-        """(static bytes, peak activation bytes, schedule point of the peak) under `choice`."""
+        """(static bytes, peak bytes of activations and produced gradients, schedule point of the peak) under
+        `choice`."""
         static = sum(float(v[choice[k]]) for k, v in self.static.items())
-        b = np.array([self.act_bytes[k][choice[k]] for k in self.keys])
+        b = self._bytes(choice)
         if not len(b):
             return static, 0.0, 0
         act = self.weight @ b
         i = int(np.argmax(act))
         return static, float(act[i]), i
+
+    def gradients_at(self, choice: dict[str, int], point: int) -> float:
+        """Bytes of produced gradients live at `point` under `choice`."""
+        b = self._bytes(choice)
+        return float(sum(self.weight[point, c] * b[c] for c, k in enumerate(self.keys) if k in self.term_key))
+
+    def _bytes(self, choice: dict[str, int]) -> np.ndarray:
+        return np.array([self.act_bytes[k][choice[self.key_of(k)]] for k in self.keys])
 
     def candidate_points(self) -> list[int]:
         return candidate_points(self.weight)
@@ -98,11 +118,14 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
             if o is not None and o not in recomputed:
                 uses[o].append(at)
     factor = ctx.pipeline.factor if ctx.pipeline is not None else {}
+    grads = _gradient_outputs(ctx, owner) if produced_gradients(ctx) else {}
     keys: list[str] = []
     col: dict[str, int] = {}
     act_bytes: dict[str, np.ndarray] = {}
     events: list[tuple[int, int, int, float]] = []  # (lo, hi, column, weight)
     for o in sorted(set(owner.values()) - {None}, key=pos.__getitem__):
+        if o in grads and not uses[o] and len(grads[o][1]) == len(_tensor_outputs(o)):
+            continue  # gradients only: counted below, until the backward ends
         key = ctx.key[o]
         if key not in col:
             col[key] = len(keys)
@@ -127,15 +150,76 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
             else:
                 spans = [(pos[o], max(uses[o], default=pos[o]))]
         events.extend((lo, hi, col[key], w) for lo, hi in spans)
+    term_key: dict[str, str] = {}
+    end = len(nodes) - 1
+    for o in sorted(grads, key=pos.__getitem__):
+        for pnode, scale in grads[o][0]:
+            key = ctx.key[pnode]
+            name = f"{key}{GRADIENT_TERM}"
+            if name not in col:
+                col[name] = len(keys)
+                keys.append(name)
+                term_key[name] = key
+                act_bytes[name] = _gradient_bytes(ctx, pnode)
+            events.append((pos[o], end, col[name], scale))
     delta = np.zeros((len(nodes) + 1, len(keys)))
     for lo, hi, c, w in events:
         delta[lo, c] += w
         delta[hi + 1, c] -= w
     weight = np.cumsum(delta, axis=0)[:len(nodes)]
-    static = _static(ctx)
+    static = _static(ctx, with_gradients=not grads)
     for k in static:  # a pipeline rank stores only its stage's parameters
         static[k] = static[k] * factor.get(k, 1.0)
-    return MemoryProfile(keys, act_bytes, static, weight)
+    return MemoryProfile(keys, act_bytes, static, weight, term_key)
+
+
+GRADIENT_TERM = "#grad"  # a gradient column's name: its parameter key and this
+
+
+def produced_gradients(ctx: PassContext) -> bool:
+    """Whether the profile counts gradients where the backward produces them (one microbatch, no pipeline);
+    else they are persistent state from the start of the step."""
+    return ctx.microbatches == 1 and ctx.pipeline is None
+
+
+def _gradient_outputs(ctx: PassContext, owner: dict) -> dict[fx.Node, tuple[list[tuple[fx.Node, float]], set[int]]]:
+    """Per allocation holding parameter gradients: its (parameter, instances (template-scaled layers)) and the
+    indices of the outputs holding them."""
+    from autopar.passes.annotate_shapes import producer
+
+    out: dict[fx.Node, tuple[list[tuple[fx.Node, float]], set[int]]] = {}
+    for fqn, g in ctx.captured.grads.items():
+        n = g
+        while n.op == "call_function" and n.target is not operator.getitem and owner.get(n) is not n:
+            if owner.get(n) is None or not n.all_input_nodes:
+                n = None
+                break
+            n = n.all_input_nodes[0]  # a view of the allocation
+        if n is None or n.op != "call_function":
+            continue
+        u, idx = producer(n)
+        if owner.get(u) is not u:
+            continue
+        pnode = ctx.captured.params[fqn]
+        params, outputs = out.setdefault(u, ([], set()))
+        params.append((pnode, _scale(ctx, pnode)[1]))
+        outputs.add(idx)
+    return out
+
+
+def _gradient_bytes(ctx: PassContext, pnode: fx.Node) -> np.ndarray:
+    """Bytes of one instance of a parameter's gradient in the parameter's layout, per strategy of its key."""
+    from autopar.passes.estimate_costs import local_bytes
+
+    shape = tuple(pnode.meta["val"].shape)
+    return np.array([local_bytes(shape, ctx.precision.grad_dtype, s.outs[0], ctx.mesh.shape)
+                     for s in ctx.strategies[ctx.key[pnode]]])
+
+
+def _tensor_outputs(n: fx.Node) -> list[int]:
+    val = n.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
 
 
 def _recompute_points(cap, nodes: list[fx.Node], pos: dict, recomputed: set[fx.Node]) -> dict[fx.Node, int]:
@@ -152,15 +236,19 @@ def _recompute_points(cap, nodes: list[fx.Node], pos: dict, recomputed: set[fx.N
     return need
 
 
-def _static(ctx: PassContext) -> dict[str, np.ndarray]:
-    """Parameter, gradient and optimizer state (and the fp32 master copy) on each rank, per strategy of each
-    parameter key, summed over the parameters (and template-scaled layers) the key stands for."""
+def _static(ctx: PassContext, with_gradients: bool = True) -> dict[str, np.ndarray]:
+    """Parameter, optimizer state (and the fp32 master copy) and, `with_gradients`, gradient buffers on each
+    rank, per strategy of each parameter key, summed over the parameters (and template-scaled layers) the key
+    stands for."""
     out: dict[str, np.ndarray] = {}
     for fqn, node in ctx.captured.params.items():
         key = ctx.key[node]
         numel = math.prod(node.meta["val"].shape)
         # A frozen parameter (no gradient) keeps no gradient or optimizer state.
-        per_elem = param_state_bytes(1, ctx.precision, fqn in ctx.captured.grads)
+        trained = fqn in ctx.captured.grads
+        per_elem = param_state_bytes(1, ctx.precision, trained)
+        if trained and not with_gradients:
+            per_elem -= ctx.precision.grad_dtype.itemsize
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
     return out

@@ -410,10 +410,14 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
     accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
     buckets = grad_bucket_bytes(ctx)
+    prof = memory_profile(ctx)
+    _, peak, point = prof.peak(ctx.choice)
+    live_grads = prof.gradients_at(ctx.choice, point)
+    if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py)
+        grad_b = 0.0
     static = param_b + grad_b + opt_b + master + accumulation + buckets
-    peak = memory_profile(ctx).peak(ctx.choice)[1]
-    mem = {"params": int(param_b), "grads": int(grad_b), "optimizer": int(opt_b), "master_weights": int(master),
-           "activations": int(peak)}
+    mem = {"params": int(param_b), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
+           "master_weights": int(master), "activations": int(peak - live_grads)}
     if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
         from autopar.passes.split_stages import stage_memory
 
@@ -426,20 +430,25 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
 
 
 def grad_bucket_bytes(ctx: PassContext) -> float:
-    """Gradient collective buffers at the end of the backward, beside every saved activation: the largest
-    gradient bucket (autopar/codegen/grad_sync.py: the gradients of a bucket are copied into one flat buffer
-    reduced in place, and while it is written both copies live; buckets filled as codegen fills them, per kind
-    of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others), and
-    the produced gradients reduced one by one (issued as soon as they exist and waited for at the end, so their
-    inputs live until then)."""
+    """Gradient collective buffers of the backward, beyond the gradients in their parameters' layouts: the largest
+    gradient bucket (autopar/codegen/grad_sync.py: a bucket's gradients are copied into one flat buffer once the
+    last of them exists, and while it is written both copies live; buckets filled as codegen fills them, per
+    kind of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others;
+    a reduce-scatter bucket's gradients are larger than the shards they become, and its input lives until it is
+    waited on, before the next bucket is written), and the produced gradients redistributed one by one (issued
+    as soon as they exist and waited for at the end, so their inputs live until then). Where the memory profile
+    counts the reduced gradients from where they are produced (passes/memory_profile.py), that is what the
+    bucket holds beyond them."""
     from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+    from autopar.passes.memory_profile import produced_gradients
 
     if ctx.microbatches > 1:  # reduced once per step from the accumulated gradients (counted apart)
         return 0.0
-    kinds: dict[tuple, list[float]] = {}
+    produced = produced_gradients(ctx)
+    kinds: dict[tuple, list[tuple[float, float]]] = {}
     alone = 0.0
     # Gradients appear last layer first; a captured layer standing for several repeats as a whole, in order.
-    runs: list[tuple[str, int, list[tuple]]] = []  # (layer, count, [(kind, size)])
+    runs: list[tuple[str, int, list[tuple]]] = []  # (layer, count, [(kind, (size, held))])
     for fqn in reversed(list(ctx.captured.grads)):
         u, idx = producer(ctx.captured.grads[fqn])
         pnode = ctx.captured.params[fqn]
@@ -451,7 +460,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
             layer = ctx.captured.layer_of(fqn)
             if not (layer and runs and runs[-1][0] == layer and runs[-1][1] == count):
                 runs.append((layer, count, []))
-            runs[-1][2].append((kind, size))
+            runs[-1][2].append((kind, (size, bucket_held(ctx, kind, size, dst, pnode) if produced else size)))
     for layer, count, items in runs:
         for _ in range(count if layer else 1):
             for kind, size in items:
@@ -459,14 +468,26 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
     largest = 0.0
     for kind, sizes in kinds.items():
         first = FIRST_BUCKET_BYTES if kind[0] == "all_reduce" else None
-        n, total = 0, 0.0
-        for size in sizes:
+        n, total, held = 0, 0.0, 0.0
+        for size, extra in sizes:
             cap = first if first is not None and n == 1 else BUCKET_BYTES
             if n == 0 or (total and total + size > cap):
-                n, total = n + 1, 0.0
+                n, total, held = n + 1, 0.0, 0.0
             total += size
-            largest = max(largest, total)
+            held += extra
+            largest = max(largest, held)
     return largest + alone
+
+
+def bucket_held(ctx: PassContext, kind: tuple, size: float, dst: tuple, pnode: fx.Node) -> float:
+    """What one gradient of `size` produced bytes takes in its bucket beyond its reduced gradient (in its
+    parameter's layout `dst`): its copy, and for a reduce-scatter its produced size beyond its shard too."""
+    return 2 * size - reduced_bytes(ctx, dst, pnode) if kind[0] == "reduce_scatter" else size
+
+
+def reduced_bytes(ctx: PassContext, dst: tuple, pnode: fx.Node) -> float:
+    """Local bytes of a parameter's gradient in the parameter's layout `dst`."""
+    return local_bytes(tuple(pnode.meta["val"].shape), ctx.precision.grad_dtype, dst, ctx.mesh.shape)
 
 
 ALONE = "alone"  # grad_reduction's kind of a gradient reduced by itself

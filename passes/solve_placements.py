@@ -14,7 +14,7 @@ from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
 from autopar.passes.annotate_shapes import producer
-from autopar.passes.memory_profile import candidate_points, memory_profile
+from autopar.passes.memory_profile import GRADIENT_TERM, candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.bounded import Bounded, least_memory
 from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpEdge, IlpLink, IlpResult, MemoryRows, ProgramInfeasible
@@ -198,7 +198,7 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
     prof = memory_profile(ctx)
     terms, conditions, cols = [], [], []
     for c, k in enumerate(prof.keys):
-        root, idx = _root(ctx, k)
+        root, idx = _root(ctx, prof.key_of(k))
         b = prof.act_bytes[k]
         b = [float(v) for v in (b if idx is None else b[idx])]
         s = joint.owner.get(k) if joint is not None else None
@@ -237,7 +237,7 @@ def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
     reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, each
     gradient's bytes on the (producer layout, parameter layout) pairs reduced that way, and on every kind's
     list the gradients reduced alone. Elsewhere none: the program sets aside _reserve instead. Built once."""
-    from autopar.passes.simulate_step import ALONE, grad_reduction, grads_in_one_bucket
+    from autopar.passes.simulate_step import ALONE, bucket_held, grad_reduction, grads_in_one_bucket
 
     when = (ctx.microbatches, ctx.pipeline is None)
     if ctx.grad_buffers is not None and ctx.grad_buffers[0] == when:
@@ -262,6 +262,8 @@ def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
         for a, la in enumerate(a_lays):
             for b, lb in enumerate(b_lays):
                 kind, size, count = grad_reduction(ctx, la, lb, pnode)
+                if kind is not None and kind != ALONE:  # beyond the reduced gradient the rows' terms count
+                    size = bucket_held(ctx, kind, size, lb, pnode)
                 if kind is not None:
                     mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = size * count
         for kind, m in mats.items():
@@ -680,7 +682,8 @@ def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     static += reserve
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers.append((reserve, "gradient buckets"))
-    consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[k]]), k)
+    consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[prof.key_of(k)]]),
+                   k.replace(GRADIENT_TERM, " (gradient ") + ")" if k in prof.term_key else k)
                   for c, k in enumerate(prof.keys)]
     consumers.sort(reverse=True)
     scale = ctx.memory_limit

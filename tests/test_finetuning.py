@@ -259,14 +259,22 @@ def test_a_mutated_input_is_refused():
 def test_frozen_weights_hold_no_gradient_or_optimizer_state_in_the_memory_model():
     plans = {}
     for freeze in (False, True):
-        torch.manual_seed(0)
-        model, args, kwargs = MODELS["qwen2"](batch=4, seq=16)
-        if freeze:
-            model.model.embed_tokens.weight.requires_grad_(False)  # tied with lm_head: one tensor
-        plans[freeze] = autopar.plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
-                                     config=Config(solver=QUIET, template_layers=None, pins={"*": (Shard(0), Shard(0))},
-                                                   input_placements={0: (Shard(0), Shard(0))}))
+        for m in (1, 2):
+            torch.manual_seed(0)
+            model, args, kwargs = MODELS["qwen2"](batch=8, seq=16)
+            if freeze:
+                model.model.embed_tokens.weight.requires_grad_(False)  # tied with lm_head: one tensor
+            plans[freeze, m] = autopar.plan(
+                model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
+                config=Config(solver=QUIET, template_layers=None, pins={"*": (Shard(0), Shard(0))}, microbatches=m,
+                              input_placements={0: (Shard(0), Shard(0))}))
     embed = 128 * 64 // 4  # elements of the embedding on each rank
-    full, frozen = plans[False].memory_breakdown, plans[True].memory_breakdown
+    # With two microbatches the gradient buffers hold the accumulated gradients over the whole step: the frozen
+    # embedding has none, nor optimizer state.
+    full, frozen = plans[False, 2].memory_breakdown, plans[True, 2].memory_breakdown
     assert full["params"] == frozen["params"]
     assert full["grads"] - frozen["grads"] == embed * 4 and full["optimizer"] - frozen["optimizer"] == embed * 8
+    # With one, gradients live from where the backward produces them: the frozen embedding's never is.
+    full, frozen = plans[False, 1], plans[True, 1]
+    assert full.memory_breakdown["optimizer"] - frozen.memory_breakdown["optimizer"] == embed * 8
+    assert full.peak_memory_per_rank - frozen.peak_memory_per_rank >= embed * 8

@@ -213,10 +213,12 @@ def test_plan_counts_one_microbatch_of_activations_and_records_the_count():
                             loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
                             config=Config(microbatches=m, solver=QUIET))
 
-    small, four = plan(4, 1), plan(16, 4)
+    small, two, four = plan(4, 1), plan(8, 2), plan(16, 4)
     assert (small.microbatches, four.microbatches) == (1, 4)
     assert Plan.from_json(four.to_json()).microbatches == 4
-    assert four.memory_breakdown["activations"] == small.memory_breakdown["activations"]
+    # A microbatch of 4 sequences either way. (With one microbatch the gradients live where the backward
+    # produces them; with several they accumulate over the step, so the peaks fall elsewhere.)
+    assert four.memory_breakdown["activations"] == two.memory_breakdown["activations"]
     assert four.estimated_step_time > 3 * small.estimated_step_time
     whole = plan(16, 1)
     assert whole.memory_breakdown["activations"] > 1.5 * four.memory_breakdown["activations"]

@@ -151,7 +151,7 @@ def test_a_plan_that_fits_with_its_own_gradient_buckets_is_not_solved_for_again(
 
 @pytest.mark.slow
 def test_a_plan_passed_over_for_one_over_the_limit_is_solved_from_not_the_least_peak(monkeypatch):
-    """Llama-3-8B on 8x8 H100, 16 sequences, at 26.915 GiB (just above its smallest peak): the solve's fastest
+    """Llama-3-8B on 8x8 H100, 16 sequences, at 26.5 GiB (just above its smallest peak, 26.43 GiB): the solve's fastest
     plan is a quiet-axis alternative that, with its own gradient buckets, needs more than the limit, and the
     program setting them aside has no plan. The plan it was an alternative to fits with its own buckets: the
     fastest plan with as much set aside is solved from it, and the verdict's search for a plan of least peak
@@ -165,16 +165,16 @@ def test_a_plan_passed_over_for_one_over_the_limit_is_solved_from_not_the_least_
                         or solve_one(ctx, *a, **k))
     with torch.device("meta"):
         model = Llama(LLAMA3_8B)
-    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=26.915, solver=QUIET)
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=26.5, solver=QUIET)
     p = autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(16, 8192, dtype=torch.long),),
                      loss_fn=cross_entropy_loss, config=cfg)
     assert starts == [False, True]  # the first solve, then one from the plan passed over
-    assert p.peak_memory_per_rank <= 26.915 * 2**30
+    assert p.peak_memory_per_rank <= 26.5 * 2**30
 
 
 @pytest.mark.slow
 def test_a_plan_over_the_limit_with_its_own_gradient_buckets_gets_no_quiet_axis_alternatives(monkeypatch):
-    """Llama-3-70B on 8x8 H100, 8 sequences, at 30.8 GiB: the program's plan, with one 25 MiB bucket set aside,
+    """Llama-3-70B on 8x8 H100, 8 sequences, at 27.4 GiB: the program's plan, with one 25 MiB bucket set aside,
     needs more with its own buckets; it is solved for again (and the limit refused), so no program keeping an
     axis quiet is solved for it."""
     from autopar.solver import bounded
@@ -184,8 +184,8 @@ def test_a_plan_over_the_limit_with_its_own_gradient_buckets_gets_no_quiet_axis_
     monkeypatch.setattr(bounded, "_solve", lambda p, *a, **k: quiet.append(bool(p.quiet_axes)) or solve(p, *a, **k))
     with torch.device("meta"):
         model = Llama(LLAMA3_70B)
-    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=30.8, solver=QUIET)
-    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found .*needs 31\.\d\d GiB"):
+    cfg = autopar.Config(device="h100", links={"dp": "ib", "tp": "nvlink"}, memory_limit_gb=27.4, solver=QUIET)
+    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found .*needs 27\.\d\d GiB"):
         autopar.plan(model, autopar.fake_mesh((8, 8), ("dp", "tp")), (torch.zeros(8, 8192, dtype=torch.long),),
                      loss_fn=cross_entropy_loss, config=cfg)
     assert quiet and not any(quiet), quiet
@@ -193,9 +193,9 @@ def test_a_plan_over_the_limit_with_its_own_gradient_buckets_gets_no_quiet_axis_
 
 @pytest.mark.slow
 def test_llama3_70b_infeasible_verdict_is_not_inflated_by_gradient_buffers():
-    """Llama-3-70B on 8x8 H100, 8 sequences: at 30.8 GiB no plan fits. The plan of least memory rows reduces
-    several gradients alone (4.8 GiB of buffers at the end of the backward); the verdict names the smallest
-    peak of a plan whose buffers are counted, and 1% below that figure no plan fits either."""
+    """Llama-3-70B on 8x8 H100, 8 sequences: at 27.4 GiB no plan fits. A plan of least memory rows may reduce
+    several gradients alone (their inputs live to the end of the backward, beyond the rows); the verdict names
+    the smallest peak of a plan whose buffers are counted, and 1% below that figure no plan fits either."""
     def plan(limit_gb: float):
         with torch.device("meta"):
             model = Llama(LLAMA3_70B)
@@ -205,7 +205,7 @@ def test_llama3_70b_infeasible_verdict_is_not_inflated_by_gradient_buffers():
                             loss_fn=cross_entropy_loss, config=cfg)
 
     with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found .*needs [\d.]+ GiB") as e:
-        plan(30.8)
+        plan(27.4)
     assert "gradient buckets" not in str(e.value)
     with pytest.raises(autopar.InfeasibleMemoryError):
         plan(0.99 * e.value.smallest_peak / 2**30)
@@ -234,11 +234,15 @@ def test_template_capture_gives_the_full_graph_plan():
     assert a.fingerprint == b.fingerprint
     assert a.params == b.params
     assert {k: (v.outs, v.count) for k, v in a.nodes.items()} == {k: (v.outs, v.count) for k, v in b.nodes.items()}
-    # Costs, and activations kept from forward into backward, scale from 2 layers to 4. Peak memory agrees to
-    # 0.1%; the simulated step to 2% (its schedule overlaps a template's scaled layers a little differently).
+    # Costs, and activations kept from forward into backward, scale from 2 layers to 4; so do the gradients,
+    # from where a captured layer produces them. The simulated step agrees to 2% (its schedule overlaps a
+    # template's scaled layers a little differently); peak memory to 1%: this one peaks late in the backward,
+    # where a captured layer's gradients count twice from its own backward on, while the whole model's come a
+    # layer at a time (at most one layer's gradients apart).
     assert a.estimated_step_time == pytest.approx(b.estimated_step_time, rel=0.02)
-    assert a.peak_memory_per_rank == pytest.approx(b.peak_memory_per_rank, rel=1e-3)
-    assert a.memory_breakdown["activations"] == pytest.approx(b.memory_breakdown["activations"], rel=1e-3)
+    assert a.peak_memory_per_rank == pytest.approx(b.peak_memory_per_rank, rel=1e-2)
+    assert {k: a.memory_breakdown[k] for k in ("params", "optimizer", "grad_buckets")} == \
+        {k: b.memory_breakdown[k] for k in ("params", "optimizer", "grad_buckets")}
 
 
 @pytest.mark.slow

@@ -257,8 +257,10 @@ def test_plan_records_the_variant_and_round_trips():
 
 def test_recomputing_costs_time_and_saves_activation_memory():
     off, sel, full = (compiled("llama", v).plan for v in ("off", "selective", "full"))
-    act = [p.memory_breakdown["activations"] for p in (off, sel, full)]
-    assert act[0] > act[1] > act[2], act
+    # The breakdown holds what is live at the peak: the saved activations where forward ends, or the gradients
+    # and what is left of the activations late in the backward.
+    peak = [p.peak_memory_per_rank for p in (off, sel, full)]
+    assert peak[0] > peak[1] > peak[2], peak
     assert off.estimated_step_time < sel.estimated_step_time < full.estimated_step_time
     assert 0 < sel.recompute["layers"]["time_s"] < full.recompute["layers"]["time_s"]
 
@@ -331,17 +333,17 @@ def test_the_solver_recomputes_only_where_memory_binds():
     free = _tiny_plan(None)
     assert free.recompute["layers"] == {"variant": "keep", "by": "solver", "time_s": 0.0, "saved_bytes": 0}
     assert "ac" not in free.techniques
-    # 3900 KiB on two ranks: no placement alone fits (the smallest peak, its gradient buckets included, is 3.88
+    # 3800 KiB on two ranks: no placement alone fits (the smallest peak, its gradient buckets included, is 3.75
     # MiB), recomputing lets one fit.
-    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found needs 3.88 MiB .*recompute='auto'"):
-        _tiny_plan(3900, recompute="off")
-    tight = _tiny_plan(3900)
+    with pytest.raises(autopar.InfeasibleMemoryError, match=r"smallest plan found needs 3.75 MiB .*recompute='auto'"):
+        _tiny_plan(3800, recompute="off")
+    tight = _tiny_plan(3800)
     assert tight.recomputed_stacks() == ["layers"] and tight.recompute["layers"]["by"] == "solver"
-    assert tight.peak_memory_per_rank <= 3900 * 2**10
+    assert tight.peak_memory_per_rank <= 3800 * 2**10
     assert tight.estimated_step_time > free.estimated_step_time
     # Below what any placement and recomputation reach: the error names the smallest peak and what fills it.
     with pytest.raises(autopar.InfeasibleMemoryError,
-                       match=r"smallest plan found with recomputation \(layers \w+\) needs 3.06 MiB "
+                       match=r"smallest plan found with recomputation \(layers \w+\) needs 2.99 MiB "
                              r"\(largest consumers: "):
         _tiny_plan(3000)
 

@@ -109,6 +109,14 @@ def _is_wait(n: fx.Node) -> bool:
     return compat.op_namespace_and_name(n.target) == ("_c10d_functional", "wait_tensor")
 
 
+def _is_bucket_scatter(n: fx.Node) -> bool:
+    from autopar import _torch_compat as compat
+    from autopar.codegen.collectives import BUCKET_META
+
+    return (n.meta.get(BUCKET_META) is not None
+            and compat.op_namespace_and_name(n.target) == ("_c10d_functional", "reduce_scatter_tensor"))
+
+
 def _ancestors(roots: list[fx.Node], stop) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [r for r in roots if not stop(r)]
@@ -169,8 +177,12 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
             emit(prefetch[n.args[0]])
 
     # Gradient synchronization (the collectives taking each gradient to its parameter's layout) is issued
-    # as soon as the gradient exists and waited on at the end, so it overlaps the rest of the backward.
+    # as soon as the gradient exists and waited on at the end, so it overlaps the rest of the backward. A
+    # reduce-scatter bucket holds its full-size input until it is waited on, so it is waited on before the next
+    # bucket is filled (as FSDP does): one bucket's input in flight, not every gradient at full size.
     sync = [n for n in joint.gm.graph.nodes if n in live_bwd and n.meta.get(GRAD_SYNC)]
+    scatter_input = {n.args[0]: [u for u in n.users if _is_wait(u)] for n in sync if _is_bucket_scatter(n)}
+    in_flight: list[fx.Node] = []
 
     def issue_ready() -> None:
         progress = True
@@ -179,6 +191,10 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
             for n in list(sync):
                 if _is_wait(n) or not all(a in env for a in n.all_input_nodes):
                     continue
+                if n in scatter_input:
+                    for w in in_flight:
+                        emit(w)
+                    in_flight[:] = scatter_input[n]
                 emit(n)
                 sync.remove(n)
                 progress = True
