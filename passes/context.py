@@ -73,7 +73,7 @@ class PassContext:
     edge_groups: list[int | None] = dataclasses.field(default_factory=list)  # shared redistributions
     memory_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     memory_profile: Any = None  # memory_profile.MemoryProfile, built on first use
-    # solve_placements: ((microbatches, no pipeline), the gradient buckets as the program's buffers), built once
+    # solve_placements: {(microbatches, no pipeline, bound): the gradient buckets as the program's buffers}, built once
     grad_buffers: Any = None
     # solve_placements
     choice: dict[str, int] = dataclasses.field(default_factory=dict)

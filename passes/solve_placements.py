@@ -27,9 +27,11 @@ def _root(ctx: PassContext, key: str) -> tuple[str, list[int] | None]:
 
 
 def build_problem(ctx: PassContext, memory_limit: float | None,
-                  joint: recompute_variants.Joint | None = None) -> IlpProblem:
+                  joint: recompute_variants.Joint | None = None, bound_buffers: bool = False) -> IlpProblem:
     """The ILP over root keys: followers' compute, memory and edges are folded into their root. With `joint`,
-    the decided stacks' recompute variants are selector keys of the same program (recompute_variants.py)."""
+    the decided stacks' recompute variants are selector keys of the same program (recompute_variants.py). With
+    `bound_buffers`, rows hold each kind's gradient buffers as one bucket where the program cannot count them
+    exactly (an upper bound: see _grad_buffers)."""
     if joint is not None:
         recompute_variants.apply(ctx, joint.base)
     n = {k: len(v) for k, v in ctx.strategies.items() if k not in ctx.follow}
@@ -70,7 +72,8 @@ def build_problem(ctx: PassContext, memory_limit: float | None,
             compute[root][i] += m * share * ctx.compute_cost[key][i if idx is None else idx[i]]
     links = _recompute_links(ctx, joint, n, compute, edges) if joint is not None else []
     sc = ctx.config.solver
-    return IlpProblem(n_strategies=n, compute=compute, edges=edges, memory=memory_rows(ctx, memory_limit, joint),
+    return IlpProblem(n_strategies=n, compute=compute, edges=edges,
+                      memory=memory_rows(ctx, memory_limit, joint, bound_buffers),
                       memory_limit=memory_limit, links=links, seed=sc.seed, workers=sc.workers)
 
 
@@ -190,8 +193,8 @@ def _comm_axes(src_layouts: tuple, dst_layouts: tuple) -> dict[int, list[list[bo
     return out or None
 
 
-def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants.Joint | None = None
-                ) -> MemoryRows:
+def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants.Joint | None = None,
+                bound_buffers: bool = False) -> MemoryRows:
     """The step simulator's memory profile over root keys, one row per candidate peak point (with a limit, only
     the points some choice could push over it). With `joint`, a key whose liveness a decided stack's variant
     changes has one term per variant, conditional on the stack's selector."""
@@ -213,7 +216,7 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
             cols.append(joint.weight[(s, v)][:, c])
     weight = np.stack(cols, axis=1) if cols else prof.weight
     points = candidate_points(weight)
-    buffers = _grad_buffers(ctx)
+    buffers = _grad_buffers(ctx) or (_grad_buffers(ctx, bound=True) if bound_buffers else [])
     if limit is not None and points:
         most = MemoryRows({}, [], [], buffers=buffers).most_buffered()
         static_max = sum(float(np.max(v)) for v in prof.static.values()) + most
@@ -232,18 +235,21 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
     return MemoryRows(static, terms, weights, conditions if joint is not None else [], buffers)
 
 
-def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
+def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
     """The gradient buckets (simulate_step.grad_bucket_bytes) as the program's buffers, where each kind of
-    reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, each
-    gradient's bytes on the (producer layout, parameter layout) pairs reduced that way, and on every kind's
-    list the gradients reduced alone. Elsewhere none: the program sets aside _reserve instead. Built once."""
+    reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, what
+    each gradient takes in its bucket on the (producer layout, parameter layout) pairs reduced that way, and on
+    every kind's list the gradients reduced alone. Elsewhere none: the program sets aside _reserve instead.
+    With `bound` (one microbatch, no pipeline), the same buffers however many buckets a kind fills: an upper
+    bound on the largest bucket (the search for the least peak uses it). Built once."""
     from autopar.passes.simulate_step import ALONE, bucket_held, grad_reduction, grads_in_one_bucket
 
-    when = (ctx.microbatches, ctx.pipeline is None)
-    if ctx.grad_buffers is not None and ctx.grad_buffers[0] == when:
-        return ctx.grad_buffers[1]
-    ctx.grad_buffers = (when, [])
-    if not grads_in_one_bucket(ctx):
+    when = (ctx.microbatches, ctx.pipeline is None, bound)
+    if ctx.grad_buffers is not None and when in ctx.grad_buffers:
+        return ctx.grad_buffers[when]
+    ctx.grad_buffers = ctx.grad_buffers or {}
+    ctx.grad_buffers[when] = []
+    if not (grads_in_one_bucket(ctx) or (bound and ctx.microbatches == 1 and ctx.pipeline is None)):
         return []
     kinds: dict[tuple, list[IlpEdge]] = {}
     alone: list[IlpEdge] = []
@@ -269,8 +275,8 @@ def _grad_buffers(ctx: PassContext) -> list[list[IlpEdge]]:
         for kind, m in mats.items():
             e = IlpEdge(src, dst, a_idx, b_idx, m.tolist())
             (alone if kind == ALONE else kinds.setdefault(kind, [])).append(e)
-    ctx.grad_buffers = (when, [edges + alone for edges in kinds.values()] or ([alone] if alone else []))
-    return ctx.grad_buffers[1]
+    ctx.grad_buffers[when] = [edges + alone for edges in kinds.values()] or ([alone] if alone else [])
+    return ctx.grad_buffers[when]
 
 
 def _accumulation_rows(ctx: PassContext) -> dict[str, list[float]]:
@@ -615,22 +621,27 @@ def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
     from autopar.solver import solve
 
     smallest = None
+    # Where the rows cannot hold the gradient buffers, the least rows may need large ones (a reduce-scatter's
+    # full-size gradients): the least rows with an upper bound on the buffers is tried too.
+    bounds = (False, True) if not _grad_buffers(ctx) and ctx.microbatches == 1 and ctx.pipeline is None \
+        else (False,)
     for variants in recompute_variants.combinations(ctx):
         recompute_variants.apply(ctx, variants)
-        problem = build_problem(ctx, None)
-        reduced = reduce_problem(problem)
-        try:
-            best = solve(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline, objective="peak")
-        except SolverTimeout:
-            raise InfeasibleMemoryError(
-                f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank (the "
-                f"solver proved it) and the time limit of {ctx.config.solver_time_limit_s} s ran out before the "
-                "smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
-                "memory_limit_gb.") from None
-        choice = expand_choice(ctx, reduced.expand(best.choice))
-        peak = _peak(ctx, choice)
-        if smallest is None or peak < smallest[0]:
-            smallest = (peak, variants, choice)
+        for bound in bounds:
+            reduced = reduce_problem(build_problem(ctx, None, bound_buffers=bound))
+            try:
+                best = solve(reduced.problem, backend=ctx.config.solver.backend, deadline=ctx.deadline,
+                             objective="peak")
+            except SolverTimeout:
+                raise InfeasibleMemoryError(
+                    f"no plan fits the memory limit of {fmt_mem(ctx.memory_limit, ctx.memory_limit)} per rank "
+                    f"(the solver proved it) and the time limit of {ctx.config.solver_time_limit_s} s ran out "
+                    "before the smallest peak was found. Use more ranks, a smaller batch or sequence, or raise "
+                    "memory_limit_gb.") from None
+            choice = expand_choice(ctx, reduced.expand(best.choice))
+            peak = _peak(ctx, choice)
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, variants, choice)
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
     other = _fewer_buckets(ctx, choice, figure)
@@ -683,7 +694,7 @@ def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers.append((reserve, "gradient buckets"))
     consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[prof.key_of(k)]]),
-                   k.replace(GRADIENT_TERM, " (gradient ") + ")" if k in prof.term_key else k)
+                   k.split("/", 1)[-1].removesuffix(GRADIENT_TERM) + " (gradient)" if k in prof.term_key else k)
                   for c, k in enumerate(prof.keys)]
     consumers.sort(reverse=True)
     scale = ctx.memory_limit
