@@ -151,7 +151,7 @@ def test_a_plan_that_fits_with_its_own_gradient_buckets_is_not_solved_for_again(
 
 @pytest.mark.slow
 def test_a_plan_passed_over_for_one_over_the_limit_is_solved_from_not_the_least_peak(monkeypatch):
-    """Llama-3-8B on 8x8 H100, 16 sequences, at 26.5 GiB (just above its smallest peak, 26.43 GiB): the solve's fastest
+    """Llama-3-8B on 8x8 H100, 16 sequences, at 26.5 GiB (2% above its smallest peak, 25.96 GiB): the solve's fastest
     plan is a quiet-axis alternative that, with its own gradient buckets, needs more than the limit, and the
     program setting them aside has no plan. The plan it was an alternative to fits with its own buckets: the
     fastest plan with as much set aside is solved from it, and the verdict's search for a plan of least peak
