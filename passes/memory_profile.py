@@ -43,7 +43,7 @@ class MemoryProfile:
     act_bytes: dict[str, np.ndarray]  # column -> bytes of one instance's outputs per strategy of its key
     static: dict[str, np.ndarray]  # parameter key -> persistent bytes per strategy (all its instances)
     weight: np.ndarray  # (points, len(keys)): live instances of each column at each schedule point
-    # A gradient column's key (the key of the op producing the gradients it counts); other columns are keys.
+    # A gradient column's key (the parameter key whose gradients it counts); other columns are keys.
     term_key: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def key_of(self, column: str) -> str:
