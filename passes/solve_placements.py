@@ -623,8 +623,7 @@ def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
     smallest = None
     # Where the rows cannot hold the gradient buffers, the least rows may need large ones (a reduce-scatter's
     # full-size gradients): the least rows with an upper bound on the buffers is tried too.
-    bounds = (False, True) if not _grad_buffers(ctx) and ctx.microbatches == 1 and ctx.pipeline is None \
-        else (False,)
+    bounds = (False, True) if _grad_buffers(ctx, bound=True) and not _grad_buffers(ctx) else (False,)
     for variants in recompute_variants.combinations(ctx):
         recompute_variants.apply(ctx, variants)
         for bound in bounds:
