@@ -45,6 +45,8 @@ class MemoryProfile:
     weight: np.ndarray  # (points, len(keys)): live instances of each column at each schedule point
     # A gradient column's key (the parameter key whose gradients it counts); other columns are keys.
     term_key: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Parameter key -> the gradient bytes `static` holds per strategy (those without a column).
+    static_grads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def key_of(self, column: str) -> str:
         return self.term_key.get(column, column)
@@ -167,10 +169,13 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
         delta[lo, c] += w
         delta[hi + 1, c] -= w
     weight = np.cumsum(delta, axis=0)[:len(nodes)]
-    static = _static(ctx, with_gradients=not grads)
+    # A gradient the profile found no allocation for (a view of a graph input) stays in the static state.
+    counted = {pnode for o in grads for pnode, _ in grads[o][0]}
+    static, kept = _static(ctx, produced=counted), _static(ctx, produced=counted, grads_only=True)
     for k in static:  # a pipeline rank stores only its stage's parameters
         static[k] = static[k] * factor.get(k, 1.0)
-    return MemoryProfile(keys, act_bytes, static, weight, term_key)
+        kept[k] = kept[k] * factor.get(k, 1.0)
+    return MemoryProfile(keys, act_bytes, static, weight, term_key, kept)
 
 
 GRADIENT_TERM = "#grad"  # a gradient column's name: its parameter key and this
@@ -236,19 +241,21 @@ def _recompute_points(cap, nodes: list[fx.Node], pos: dict, recomputed: set[fx.N
     return need
 
 
-def _static(ctx: PassContext, with_gradients: bool = True) -> dict[str, np.ndarray]:
-    """Parameter, optimizer state (and the fp32 master copy) and, `with_gradients`, gradient buffers on each
-    rank, per strategy of each parameter key, summed over the parameters (and template-scaled layers) the key
-    stands for."""
+def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: bool = False
+            ) -> dict[str, np.ndarray]:
+    """Parameter, optimizer state (and the fp32 master copy) and gradient buffers on each rank, but the gradients
+    of the parameters in `produced` (counted where the backward produces them), per strategy of each parameter
+    key, summed over the parameters (and template-scaled layers) the key stands for; `grads_only`: the gradient
+    buffers alone."""
     out: dict[str, np.ndarray] = {}
     for fqn, node in ctx.captured.params.items():
         key = ctx.key[node]
         numel = math.prod(node.meta["val"].shape)
         # A frozen parameter (no gradient) keeps no gradient or optimizer state.
         trained = fqn in ctx.captured.grads
-        per_elem = param_state_bytes(1, ctx.precision, trained)
-        if trained and not with_gradients:
-            per_elem -= ctx.precision.grad_dtype.itemsize
+        grad = ctx.precision.grad_dtype.itemsize if trained and node not in produced else 0
+        per_elem = grad if grads_only else param_state_bytes(1, ctx.precision, trained) - (
+            ctx.precision.grad_dtype.itemsize if trained and node in produced else 0)
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
     return out

@@ -413,8 +413,9 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     prof = memory_profile(ctx)
     _, peak, point = prof.peak(ctx.choice)
     live_grads = prof.gradients_at(ctx.choice, point)
-    if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py)
-        grad_b = 0.0
+    if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py), but
+        # those whose allocation the profile did not find
+        grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
     static = param_b + grad_b + opt_b + master + accumulation + buckets
     mem = {"params": int(param_b), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
            "master_weights": int(master), "activations": int(peak - live_grads)}

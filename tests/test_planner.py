@@ -636,3 +636,31 @@ def test_simulated_waits_count_blocking_collectives_behind_their_axis_not_queued
     expected = sum(begin - r for (begin, _), r in zip(moves, ready))
     assert expected > 0
     assert sim.waits_by_axis == {0: pytest.approx(expected, rel=1e-9)}
+
+
+class _InputViewGrad(nn.Module):
+    """`p`'s gradient is the loss's seed broadcast (a view of a graph input): no allocation of the step holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(16, 16)
+        self.p = nn.Parameter(torch.zeros(8, 16))
+
+    def forward(self, x):
+        return self.w(x) + self.p
+
+
+def test_a_gradient_without_an_allocation_of_its_own_stays_in_the_static_state():
+    """Gradients count where the backward produces them; one the memory profile finds no allocation for counts
+    over the whole step, at its size in the parameter's layout, and the breakdown's gradients include it."""
+    from autopar.passes.memory_profile import memory_profile
+
+    comp = compile_plan(_InputViewGrad(), autopar.fake_mesh((2,), ("dp",), "cpu"), (torch.randn(8, 16),),
+                        loss_fn=lambda y, x: y.sum(), config=autopar.Config(solver=QUIET))
+    ctx = comp.ctx
+    prof = memory_profile(ctx)
+    assert "param/w.weight#grad" in prof.term_key and "param/p#grad" not in prof.term_key
+    shard = 2 if ctx.strategies["param/p"][ctx.choice["param/p"]].outs[0][0] != Replicate() else 1
+    held = {k: float(v[ctx.choice[k]]) for k, v in prof.static_grads.items()}
+    assert held == {"param/p": 8 * 16 * 4 / shard, "param/w.weight": 0.0, "param/w.bias": 0.0}
+    assert comp.plan.memory_breakdown["grads"] >= held["param/p"]
