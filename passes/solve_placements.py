@@ -526,8 +526,45 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
                            {"status": "FEASIBLE", "memory_binds": True})
         out = Bounded(result, "plan of least peak", False)
         _adopt(ctx, reduced, result)
+        # That plan can be far slower than a plan that fits with its buffers counted at an upper bound.
+        other = _bounded_fit(ctx, joint, start, bound, simulate(ctx).step_time)
+        if other is not None:
+            problem, out, reduced, result = other
+        _adopt(ctx, reduced, result)
     step = simulate(ctx).step_time if joint is None and len(recompute_variants.combinations(ctx)) > 1 else 0.0
     return problem, out, reduced, result, dict(ctx.recompute), step
+
+
+def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start: dict[str, int], bound: float,
+                 step: float) -> tuple | None:
+    """Where the plan `start` (simulated at `step` seconds) is all that fits with its own gradient buffers, the
+    fastest plan of the program whose rows hold each kind's gradient buffers as one bucket (an upper bound: its
+    plans fit with their own), solved from `start` where that fits it: (problem, output, reduced, result) where
+    that plan is faster, reporting the lower of its bound and `bound`, else None (nothing adopted)."""
+    from autopar.passes.simulate_step import simulate
+
+    if _grad_buffers(ctx) or not _grad_buffers(ctx, bound=True):
+        return None
+    problem = build_problem(ctx, float(ctx.memory_limit), joint, bound_buffers=True)
+    reduced = reduce_problem(problem)
+    known = reduced.restrict({k: start[k] for k in problem.n_strategies})
+    sc = ctx.config.solver
+    try:
+        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline, relative_gap=sc.relative_gap,
+                            start=known if known is not None and reduced.problem.fits(known) else None,
+                            waited=_waited(ctx, reduced))
+    except (ProgramInfeasible, SolverTimeout):
+        return None
+    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+    _adopt(ctx, reduced, result)
+    if _peak(ctx, ctx.choice) > ctx.memory_limit or simulate(ctx).step_time >= step:
+        return None
+    # The program's own bound holds under its buffers' upper bound only.
+    low = min(result.bound_s, bound)
+    result = dataclasses.replace(result, bound_s=low, optimal=result.objective_s - low <= OPTIMALITY_TOLERANCE *
+                                 result.objective_s)
+    return problem, dataclasses.replace(out, result=result, path="warm start, gradient buffers bounded"), reduced, \
+        result
 
 
 def _fits_own(ctx: PassContext, reduced, results: list) -> tuple[dict[str, int], dict[str, str]] | None:

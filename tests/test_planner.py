@@ -664,3 +664,19 @@ def test_a_gradient_without_an_allocation_of_its_own_stays_in_the_static_state()
     held = {k: float(v[ctx.choice[k]]) for k, v in prof.static_grads.items()}
     assert held == {"param/p": 8 * 16 * 4 / shard, "param/w.weight": 0.0, "param/w.bias": 0.0}
     assert comp.plan.memory_breakdown["grads"] >= held["param/p"]
+
+
+@pytest.mark.slow
+def test_a_limit_above_the_smallest_peak_is_not_given_the_plan_of_least_peak():
+    """The example Llama on 2x2 at 0.35x of its unconstrained peak: every plan the solves find needs more gradient
+    buffers than the one solved with set aside, and the plan of least peak (which ignores time) fits. The program
+    whose rows hold the buffers at an upper bound has a plan within a few percent of the bound: that one is kept
+    (the plan of least peak took 708 ms per step against 183 ms)."""
+    torch.manual_seed(0)
+    limit = 20.23 * 2**20  # 0.35x of the unconstrained plan's 57.80 MiB
+    plan = autopar.plan(Llama(LLAMA_SMALL), autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu"),
+                        (torch.zeros(8, 32, dtype=torch.long),), loss_fn=cross_entropy_loss,
+                        config=autopar.Config(solver=QUIET, memory_limit_gb=limit / 2**30))
+    s = plan.solver_stats
+    assert plan.peak_memory_per_rank <= limit
+    assert s["path"] == "warm start, gradient buffers bounded" and s["gap"] < 0.15, s
