@@ -101,14 +101,15 @@ def one_step(name: str, plans: dict[str, str]) -> dict:
 
 
 # --- execution: recomputation changes no number -----------------------------------------------------------
-@pytest.mark.slow  # about 40 s each on 4 gloo processes: make test only, so the fast tier stays under 3 minutes
-@pytest.mark.parametrize("name", ["llama", "hf_llama_dropout"])
-def test_recomputed_step_equals_kept_step_bitwise(name):
+@pytest.mark.slow  # 4 gloo processes: make test only, so the fast tier stays under 3 minutes
+@pytest.mark.parametrize("name,variants", [("llama", ("selective", "full")),
+                                           ("hf_llama_dropout", ("full/1/selective",))], ids=["llama", "hf_llama_dropout"])
+def test_recomputed_step_equals_kept_step_bitwise(name, variants):
     """Each recomputing plan against the same placements keeping every activation (the plan with its variant
     set to keep): recomputation pays for its redistributions, so the solver may place activations differently
-    than it would without it, and the comparison holds placements fixed."""
+    than it would without it, and the comparison holds placements fixed. The transformers Llama with attention
+    dropout runs "full/1/selective" (layer 0 in full, layer 1 selective), which covers both kinds at once."""
     pool = get_pool(4)
-    variants = ("selective", "full", "full/1/selective")  # the last: layer 0 in full, layer 1 selective
     plans = {v: compiled(name, v).plan for v in variants}
     texts = {}
     for v, p in plans.items():
@@ -131,9 +132,10 @@ def test_recomputed_step_equals_kept_step_bitwise(name):
             for k, g in kept["grads"].items():
                 assert torch.equal(got["grads"][k], g), f"rank {rank}, {v}: gradient of {k} differs " \
                     f"by up to {(got['grads'][k] - g).abs().max().item():.3g}"
-        assert results[0]["full"]["saved"] < results[0]["full/1/selective"]["saved"] < results[0]["selective"]["saved"]
+        if name == "llama":
+            assert results[0]["full"]["saved"] < results[0]["selective"]["saved"]
     if name == "hf_llama_dropout":  # attention dropout draws masks in the layers that recompute
-        assert plans["full"].nodes["model.model.layers.*.self_attn/fwd/native_dropout"].op.startswith(
+        assert plans["full/1/selective"].nodes["model.model.layers.*.self_attn/fwd/native_dropout"].op.startswith(
             "aten.native_dropout")
 
 
