@@ -52,6 +52,10 @@ def enumerate_strategies_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
 
 
 def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]:
+    """Every combination of one rule strategy per mesh axis whose shards divide every tensor evenly (and leave
+    at least ctx.min_inner elements in a sharded last dim), in the order of itertools.product over the axes.
+    The conditions on one axis's strategy alone are checked once per strategy, and a prefix of axes that
+    already fails to divide (or leaves too few inner elements) is not extended: more shards only divide more."""
     info = op_info(node)
     axis_strats, known = rules.axis_strategies(info)
     if not known:
@@ -59,28 +63,67 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
     # On an axis of one rank every placement holds the whole value: only the replicated strategy is kept there
     # (a shard or partial would name a collective that moves nothing).
     replicated = [c for c in axis_strats if all(p == R for p in (*c.ins, *c.outs) if p is not None)]
-    per_axis = [replicated if k == 1 and replicated else axis_strats for k in sizes]
+    n_in = len(info.inputs)
+    prune_through = ctx.config.solver.prune_partial_inputs and n_in > 1
+    allowed = [c for c in axis_strats if _axis_ok(c.ins, prune_through)]
+    per_axis = [replicated if k == 1 and replicated else allowed for k in sizes]
+    if ctx.pipeline_axis is not None:  # the pipeline axis replicates every value (enumerate_strategies_pass)
+        per_axis[ctx.pipeline_axis] = replicated
+    shapes = [m.shape for m in info.inputs] + [None if m is None else m.shape for m in info.outputs]
+    # Per tensor, the placement each axis's strategy gives it (inputs, then outputs).
+    n_out = len(info.outputs)
+    places = [[(*c.ins[:n_in], *c.outs[:n_out]) for c in strats] for strats in per_axis]
+    inner = ctx.min_inner
     out: list[NodeStrategy] = []
     seen = set()
-    for combo in itertools.product(*per_axis):
-        ins = tuple(tuple(c.ins[i] for c in combo) for i in range(len(info.inputs)))
-        outs = tuple(tuple(c.outs[j] for c in combo) for j in range(len(info.outputs)))
-        if not all(divides(m.shape, lay, sizes) for m, lay in zip(info.inputs, ins)):
-            continue
-        if not all(m is None or divides(m.shape, lay, sizes) for m, lay in zip(info.outputs, outs)):
-            continue
-        if ctx.min_inner > 1 and not all(_inner_ok(m.shape, lay, sizes, ctx.min_inner)
-                                         for m, lay in zip(info.inputs + info.outputs, ins + outs) if m is not None):
-            continue
-        if any(isinstance(pl, Partial) and pl.reduce_op != "sum" for lay in ins for pl in lay):
-            continue  # avg-partials become sum-partials by a free local rescale: one partial kind per input
-        if ctx.config.solver.prune_partial_inputs and len(ins) > 1 and _passes_partial_through(ins):
-            continue
-        s = NodeStrategy(ins, outs)
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
+    chosen: list = []
+
+    def extend(axis: int, cur: list) -> None:
+        if axis == len(sizes):
+            ins = tuple(tuple(c.ins[i] for c in chosen) for i in range(n_in))
+            outs = tuple(tuple(c.outs[j] for c in chosen) for j in range(n_out))
+            s = NodeStrategy(ins, outs)
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+            return
+        k = sizes[axis]
+        for c, pl in zip(per_axis[axis], places[axis]):
+            nxt = cur
+            ok = True
+            for t, p in enumerate(pl):
+                if shapes[t] is None or not isinstance(p, Shard):
+                    continue
+                dims = nxt[t]
+                if p.dim >= len(dims) or dims[p.dim] % k:
+                    ok = False
+                    break
+                if nxt is cur:
+                    nxt = list(cur)
+                dims = nxt[t] = list(dims)
+                dims[p.dim] //= k
+                # The last dim's local size only shrinks as axes are added (_inner_ok).
+                if inner > 1 and p.dim == len(dims) - 1 and dims[-1] < inner:
+                    ok = False
+                    break
+            if not ok:
+                continue
+            chosen.append(c)
+            extend(axis + 1, nxt)
+            chosen.pop()
+
+    extend(0, [None if sh is None else list(sh) for sh in shapes])
     return out
+
+
+def _axis_ok(ins, prune_through: bool) -> bool:
+    """The conditions on one axis's strategy (its input placements) alone: avg-partials become sum-partials by
+    a free local rescale, so one partial kind per input; with `prune_through`, no input Partial unless one is
+    sharded (_passes_partial_through)."""
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in ins):
+        return False
+    return not (prune_through and any(isinstance(p, Partial) for p in ins)
+                and not any(isinstance(p, Shard) for p in ins))
 
 
 def _passes_partial_through(ins) -> bool:

@@ -171,25 +171,20 @@ def activation_memory(ctx: PassContext) -> dict[str, list[float]]:
 
 def _edge_cost(ctx: PassContext, e) -> EdgeCost:
     src_strats = ctx.strategies[e.src]
-    src_layouts: list[tuple] = []
-    src_index = []
-    for s in src_strats:
-        lay = s.outs[e.out]
-        if lay not in src_layouts:
-            src_layouts.append(lay)
-        src_index.append(src_layouts.index(lay))
+    src_at: dict[tuple, int] = {}  # layout -> its index in src_layouts (first seen first)
+    src_index = [src_at.setdefault(s.outs[e.out], len(src_at)) for s in src_strats]
+    src_layouts = list(src_at)
     if e.kind == "loss":
         dst_layouts, dst_index = [tuple(R for _ in ctx.mesh.shape)], None
     else:
-        dst_layouts, dst_index, classes = [], [], []
+        dst_index, at = [], {}
         for s in ctx.strategies[e.dst]:
             # A gradient or a buffer's new value goes to where its parameter or buffer is stored.
             lay = s.outs[0] if e.kind in ("grad", "buffer") else s.ins[e.arg]
             cls = (lay, fp8_variants.edge_class(ctx, e, s))  # an FP8 all-gather weight: its own class
-            if cls not in classes:
-                classes.append(cls)
-                dst_layouts.append(lay)
-            dst_index.append(classes.index(cls))
+            dst_index.append(at.setdefault(cls, len(at)))
+        classes = list(at)
+        dst_layouts = [lay for lay, _ in classes]
     dtype = {"grad": ctx.precision.grad_dtype, "buffer": e.meta.dtype}.get(e.kind) or compute_dtype(e.meta.dtype, ctx)
     # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
     grad = e.kind == "grad"
