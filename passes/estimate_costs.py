@@ -64,16 +64,18 @@ def _shared_redistributions(ctx: PassContext) -> list[int | None]:
         by_value.setdefault((e.src, e.out, e.kind, phase, e.count), []).append(i)
     groups: list[int | None] = [None] * len(ctx.edges)
     for gid, members in enumerate(m for m in by_value.values() if len(m) > 1):
-        union: list[tuple] = []
+        at: dict[tuple, int] = {}  # layout -> its index in the union (first seen first)
         for i in members:
-            union += [lay for lay in ctx.edge_cost[i].dst_layouts if lay not in union]
+            for lay in ctx.edge_cost[i].dst_layouts:
+                at.setdefault(lay, len(at))
+        union = list(at)
         first = ctx.edge_cost[members[0]]
         e = ctx.edges[members[0]]
         dtype = compute_dtype(e.meta.dtype, ctx)
-        cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b) for b in union] for a in first.src_layouts]
+        cost = _cost_matrix(ctx, e.meta.shape, dtype, first.src_layouts, union, False, e.count)
         for i in members:
             c = ctx.edge_cost[i]
-            dst_index = [union.index(c.dst_layouts[j]) for j in c.dst_index]
+            dst_index = [at[c.dst_layouts[j]] for j in c.dst_index]
             ctx.edge_cost[i] = EdgeCost(c.src_layouts, union, cost, c.src_index, dst_index)
             groups[i] = gid
     return groups
@@ -188,8 +190,7 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
     dtype = {"grad": ctx.precision.grad_dtype, "buffer": e.meta.dtype}.get(e.kind) or compute_dtype(e.meta.dtype, ctx)
     # Gradient reductions travel in buckets (many gradients per collective): they pay bandwidth, not latency.
     grad = e.kind == "grad"
-    cost = [[e.count * transition_cost(ctx, e.meta.shape, dtype, a, b, grad) for b in dst_layouts]
-             for a in src_layouts]
+    cost = _cost_matrix(ctx, e.meta.shape, dtype, src_layouts, dst_layouts, grad, e.count)
     if e.kind != "loss" and any(c for _, c in classes):
         cost = [[fp8_variants.weight_edge_cost(ctx, e, a, b, row[j]) if classes[j][1] else row[j]
                  for j, b in enumerate(dst_layouts)] for a, row in zip(src_layouts, cost)]
@@ -213,6 +214,29 @@ def axis_times(hw, mesh, shape, dtype, src, dst) -> dict[int, float]:
     for st, t in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), True):
         if st.is_comm and t:
             out[st.axis] = out.get(st.axis, 0.0) + t
+    return out
+
+
+def _cost_matrix(ctx: PassContext, shape, dtype, srcs: list[tuple], dsts: list[tuple], grad: bool,
+                 count: float) -> list[list[float]]:
+    """count x transition_cost for every (source, destination) pair. Layouts are numbered once per context, so
+    the pairs are looked up by small integers rather than by hashing their placements (most edges of a graph
+    share shapes and layouts)."""
+    ids = ctx.__dict__.setdefault("_layout_ids", {})
+    kinds = ctx.__dict__.setdefault("_transition_kinds", {})
+    memo = ctx.__dict__.setdefault("_transition_memo", {})
+    kind = kinds.setdefault((tuple(shape), dtype, grad), len(kinds))
+    src_ids = [ids.setdefault(a, len(ids)) for a in srcs]
+    dst_ids = [ids.setdefault(b, len(ids)) for b in dsts]
+    out = []
+    for a, i in zip(srcs, src_ids):
+        row = []
+        for b, j in zip(dsts, dst_ids):
+            t = memo.get((kind, i, j))
+            if t is None:
+                t = memo[(kind, i, j)] = transition_cost(ctx, shape, dtype, a, b, grad)
+            row.append(count * t)
+        out.append(row)
     return out
 
 
