@@ -102,7 +102,7 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
                     nxt = list(cur)
                 dims = nxt[t] = list(dims)
                 dims[p.dim] //= k
-                # The last dim's local size only shrinks as axes are added (_inner_ok).
+                # The last dim's local size only shrinks as axes are added.
                 if inner > 1 and p.dim == len(dims) - 1 and dims[-1] < inner:
                     ok = False
                     break
@@ -118,33 +118,13 @@ def _op_strategies(ctx: PassContext, node: fx.Node, sizes) -> list[NodeStrategy]
 
 def _axis_ok(ins, prune_through: bool) -> bool:
     """The conditions on one axis's strategy (its input placements) alone: avg-partials become sum-partials by
-    a free local rescale, so one partial kind per input; with `prune_through`, no input Partial unless one is
-    sharded (_passes_partial_through)."""
+    a free local rescale, so one partial kind per input; with `prune_through`, no input is Partial unless one is
+    sharded (else the op only forwards a pending reduction: add(P, P), mul(P, R); a contraction with a Partial
+    addend, addmm's bias, has a sharded input)."""
     if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in ins):
         return False
     return not (prune_through and any(isinstance(p, Partial) for p in ins)
                 and not any(isinstance(p, Shard) for p in ins))
-
-
-def _passes_partial_through(ins) -> bool:
-    """On some axis an input is Partial and none is sharded: the op only forwards a pending reduction
-    (add(P, P), mul(P, R)); a contraction with a Partial addend (addmm's bias) does not count."""
-    for a in range(len(ins[0])):
-        col = [lay[a] for lay in ins]
-        if any(isinstance(p, Partial) for p in col) and not any(isinstance(p, Shard) for p in col):
-            return True
-    return False
-
-
-def _inner_ok(shape, layout, sizes, minimum: int) -> bool:
-    if not shape:
-        return True
-    last = len(shape) - 1
-    n = 1
-    for p, k in zip(layout, sizes):
-        if isinstance(p, Shard) and p.dim == last:
-            n *= k
-    return n == 1 or shape[last] // n >= minimum
 
 
 def layouts_for(shape: tuple[int, ...], sizes, allow_nested: bool) -> list[tuple]:
