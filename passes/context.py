@@ -72,6 +72,11 @@ class PassContext:
     edge_cost: list[Any] = dataclasses.field(default_factory=list)
     edge_groups: list[int | None] = dataclasses.field(default_factory=list)  # shared redistributions
     memory_cost: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # Layouts and (shape, dtype, bucketed) kinds numbered once, and transition seconds memoized by those numbers
+    # (estimate_costs._cost_matrix).
+    layout_ids: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    transition_kinds: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    transition_memo: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     memory_profile: Any = None  # memory_profile.MemoryProfile, built on first use
     # solve_placements: {(microbatches, no pipeline, bound): the gradient buckets as the program's buffers}, built once
     grad_buffers: Any = None

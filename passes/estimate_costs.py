@@ -222,9 +222,7 @@ def _cost_matrix(ctx: PassContext, shape, dtype, srcs: list[tuple], dsts: list[t
     """count x transition_cost for every (source, destination) pair. Layouts are numbered once per context, so
     the pairs are looked up by small integers rather than by hashing their placements (most edges of a graph
     share shapes and layouts)."""
-    ids = ctx.__dict__.setdefault("_layout_ids", {})
-    kinds = ctx.__dict__.setdefault("_transition_kinds", {})
-    memo = ctx.__dict__.setdefault("_transition_memo", {})
+    ids, kinds, memo = ctx.layout_ids, ctx.transition_kinds, ctx.transition_memo
     kind = kinds.setdefault((tuple(shape), dtype, grad), len(kinds))
     src_ids = [ids.setdefault(a, len(ids)) for a in srcs]
     dst_ids = [ids.setdefault(b, len(ids)) for b in dsts]
