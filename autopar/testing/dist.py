@@ -44,6 +44,17 @@ PRELOAD = ("torch.distributed.tensor", "torch._functorch.aot_autograd", "torch._
            "autopar.passes")
 
 
+def _context(preload: tuple[str, ...]):
+    """Workers fork from one server process that imported torch and `preload` once (3.5-4.7 s of CPU less per
+    worker than a fresh interpreter each) and, as a fresh interpreter would, the script's main module (guarded
+    by its `if __name__ == '__main__':`). Fresh interpreters where the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", *preload])
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, conn, threads: int, preload: tuple[str, ...]) -> None:
     import datetime
     import importlib
@@ -94,7 +105,7 @@ class WorkerPool:
         self._ready = False
         self._dead = False  # a worker process died: the pool closes after the call
         self._crash = ""  # how a worker died by a signal in the last call
-        ctx = mp.get_context("spawn")
+        ctx = _context(preload)
         port = _free_port()
         self._conns = []
         self._procs = []
