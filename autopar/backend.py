@@ -136,14 +136,12 @@ class Backend:
         divide them); else rank 0 plans. Every rank then runs the same plan."""
         from autopar import runtime
         from autopar.codegen.lower import multi_axis_grad_reductions
-        from autopar.compiler import capture_step, fingerprint, forward_only, reject_collectives, solve
+        from autopar.compiler import fingerprint, reject_collectives, solve
         from autopar.errors import PlanMismatchError
         from autopar.plan_check import check_plan
 
         t0 = time.perf_counter()
-        with forward_only(step) if graph.forward_only else contextlib.nullcontext():
-            comp = capture_step(step, self.mesh, graph.inputs, {}, HEADS if graph.heads else _loss_and_outputs,
-                                config, template_layers=None, microbatches=1, read_state_only=True)
+        comp = capture_graph(step, graph, self.mesh, config)
         t1 = time.perf_counter()
         reject_collectives(comp.captured)
         if self.config.outputs == "global" or graph.heads:  # values handed to the code after a break: full
@@ -220,6 +218,15 @@ def _pipeline_axis(mesh: DeviceMesh) -> bool:
     from autopar.mesh import pipeline_axis
 
     return pipeline_axis(mesh.mesh_dim_names or ()) is not None
+
+
+def capture_graph(step: GraphStep, graph: GraphInputs, mesh, config: Config):
+    """The joint graph of a Dynamo graph's step (the whole graph: no template), as every rank captures it."""
+    from autopar.compiler import capture_step, forward_only
+
+    with forward_only(step) if graph.forward_only else contextlib.nullcontext():
+        return capture_step(step, mesh, graph.inputs, {}, HEADS if graph.heads else _loss_and_outputs, config,
+                            template_layers=None, microbatches=1, read_state_only=True)
 
 
 def _loss_and_outputs(out, *inputs):

@@ -173,12 +173,20 @@ class _Annotated(fx.Interpreter):
     """Runs a Dynamo graph node by node, each under the module path Dynamo recorded for it, so the traced ATen
     nodes (and the backward nodes derived from them) carry their module's FQN."""
 
+    _path: str | None = None
+
     def run_node(self, n: fx.Node) -> Any:
-        path = compat.dynamo_module_path(n) if n.op == "call_function" else None
-        if path is None:
-            return super().run_node(n)
-        with compat.annotate(MODULE_KEY, path):
-            return super().run_node(n)
+        self._path = compat.dynamo_module_path(n) if n.op == "call_function" else None
+        return super().run_node(n)
+
+    def call_function(self, target, args, kwargs) -> Any:
+        # Annotated here, inside run_node: while tracing with node meta preserved, the interpreter makes a copy of
+        # the Dynamo node's meta the current one for the node's duration, which would drop an annotation made
+        # around it (every op of the capture would then be the root's, and no layer's).
+        if self._path is None:
+            return super().call_function(target, args, kwargs)
+        with compat.annotate(MODULE_KEY, self._path):
+            return super().call_function(target, args, kwargs)
 
 
 def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: Config, inner: str,
