@@ -91,7 +91,10 @@ class GraphInputs:
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
                              "module (e.g. call it with labels=...), call it with grad enabled, and keep the code "
                              "from its inputs to the loss free of graph breaks (print, .item(), data-dependent "
-                             "branches); torch._dynamo.explain(model)(*inputs) lists them")
+                             "branches, activation checkpointing: transformers' gradient_checkpointing_enable() "
+                             "and torch.utils.checkpoint run each checkpointed layer as a graph of its own, traced "
+                             "without grad; turn it off, or use autopar.parallelize, which honours it); "
+                             "torch._dynamo.explain(model)(*inputs) lists them")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
                    len(example), forward_only, crossing=crossing)
 

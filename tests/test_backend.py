@@ -422,3 +422,25 @@ def test_a_compiled_graphs_ops_belong_to_the_layers_dynamo_traced_them_in():
     assert per_layer[1] and per_layer[1] == per_layer[2] and per_layer[1] <= per_layer[0], per_layer
     assert sum(n.startswith("root/") for n in ops) < sum(per_layer[1].values()) / 4, \
         [n for n in ops if n.startswith("root/")]
+
+
+def test_a_graph_without_its_loss_names_activation_checkpointing():
+    """transformers' gradient checkpointing breaks a compiled model into graphs, each checkpointed layer traced
+    without grad and so without the loss: the backend's error says so and what to do."""
+    import torch._dynamo
+
+    from autopar.dynamo_graph import GraphInputs
+
+    seen = {}
+
+    def grab(gm, example):
+        seen["gm"], seen["example"] = gm, list(example)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = nn.Linear(8, 8)
+    with torch.no_grad():  # as a reentrant checkpoint runs the layer's forward
+        torch.compile(layer, backend=grab, dynamic=False)(torch.randn(2, 8))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_enable\(\).*autopar\.parallelize"):
+        GraphInputs.of(seen["gm"], seen["example"])
