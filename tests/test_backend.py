@@ -34,7 +34,11 @@ class Step(nn.Module):
 
 
 def _config(name: str, step: Step, inputs, shape, names, kind: str) -> autopar.Config:
-    """The solver's plan, or a forced sharded one (FSDP over dp and Megatron over tp, as Config pins)."""
+    """The solver's plan, or a forced sharded one (FSDP over dp and Megatron over tp, as Config pins); a kind
+    "<kind>+<variant>" recomputes the layers by that variant (Config.recompute)."""
+    kind, _, variant = kind.partition("+")
+    if variant:
+        return _config(name, step, inputs, shape, names, kind).with_(recompute=variant)
     if kind == "solver":
         return autopar.Config(solver=QUIET)
     if name.startswith("hf_"):
@@ -89,6 +93,8 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
     out["loss_type"] = type(loss).__name__
     out["dynamo_graphs"] = counters["stats"]["unique_graphs"]
     out["backend"] = dict(b.stats)
+    out["recompute"] = {k: v["variant"] for plan in b._plans.values() for k, v in plan.recompute.items()}
+    out["recomputed"] = [v for program in b.programs for v in program.recomputed]
     if with_parallelize:  # the same pins through autopar.parallelize: its first step's loss and gradients
         model, inputs, loss_fn = build(name)
         config = autopar.Config(solver=QUIET, **_pinned_config(name, model, inputs, shape, names, kind))
@@ -128,7 +134,9 @@ def _sharded(placements: dict) -> bool:
 CASES = [("mlp", "solver"), ("mlp", "fsdp_tp"), ("llama", "solver"), ("llama", "fsdp_tp"),
          ("llama/break", "solver"), ("llama/break", "fsdp_tp"),
          ("hf_llama", "solver"), ("hf_llama", "fsdp_tp"), ("hf_gpt2", "solver"), ("hf_gpt2", "fsdp"),
-         ("hf_bert", "solver"), ("hf_bert", "fsdp")]
+         ("hf_bert", "solver"), ("hf_bert", "fsdp"),
+         # The layers recomputed in full: the backend finds a compiled graph's layers (their ops named by module).
+         ("llama", "fsdp_tp+full")]
 FAST: set = set()  # `make test-fast` runs test_backend_behaviours; the matrix runs in `make test`
 
 
@@ -149,6 +157,11 @@ def test_compiled_module_matches_single_device(name, kind):
     assert got["loss_type"] == "Tensor"
     if kind != "solver":
         assert _sharded(got["placements"]), got["placements"]
+    if kind.endswith("+full"):
+        assert got["recompute"] == {"model.layers": "full"}, got["recompute"]
+        # Each layer's attention runs again in backward (without the layers' ops, only parameter casts would).
+        attention = [v for v in got["recomputed"] if "scaled_dot_product" in v]
+        assert len(attention) == 2, got["recomputed"]
     if name.endswith("/break") and kind != "solver":  # the layers before the break were planned too
         assert _sharded({k: v for k, v in got["placements"].items() if k.startswith("layers.0.")})
     name = name.partition("/")[0]
