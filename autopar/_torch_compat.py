@@ -127,6 +127,21 @@ def checkpoint_regions() -> Iterator[None]:
         ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = saved
 
 
+def checkpointed_call(target: Any, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, tuple] | None:
+    """For a Dynamo graph's call of a checkpointed region (torch.utils.checkpoint, which Dynamo traces into one
+    `tag_activation_checkpoint` call of the region's graph): (the region's GraphModule, its arguments); None for
+    any other call. The checkpoint's own options (a selective policy's context_fn included) are dropped."""
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    if target is not tag_activation_checkpoint:
+        return None
+    _, body_kwargs = tag_activation_checkpoint.divide_kwargs(kwargs)
+    if body_kwargs:
+        raise ValueError(f"a checkpointed region takes keyword arguments {sorted(body_kwargs)} in the compiled graph; "
+                         "autopar runs checkpointed regions of positional arguments: pass them positionally")
+    return args[0], tuple(args[1:])
+
+
 def checkpoint_region(node: torch.fx.Node) -> int | None:
     """The checkpoint region a traced node was computed in (see checkpoint_regions), or None."""
     return (node.meta.get("custom") or {}).get(CHECKPOINT_KEY)
@@ -319,6 +334,20 @@ def implicit_replication_in_dynamo() -> None:
     if start not in handler.start_callbacks:
         handler.register_start_callback(start)
         handler.register_end_callback(end)
+
+
+def checkpointed_regions_in_dynamo() -> None:
+    """Let Dynamo trace a checkpointed region (torch.utils.checkpoint, transformers' gradient_checkpointing_enable)
+    whose forward has Python side effects (transformers' hub kernel layers set a context variable) into its
+    graph, as one `tag_activation_checkpoint` call, instead of running the region eagerly. Dynamo refuses such
+    a region because it cannot replay the side effects when its backward recomputes the forward; an autopar
+    graph never replays Python code (the capture inlines the region, and its backward recomputes the region's
+    tensor ops), so nothing is lost. Process-wide, as Dynamo's config is; a torch without the option keeps its
+    own behaviour."""
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ class Backend:
         self.programs: list = []  # this rank's Program of each planned graph, in compile order (print one to read it)
         self.inner_s = [0.0]
         compat.implicit_replication_in_dynamo()  # torch._dynamo.reset() drops it; a new backend brings it back
+        compat.checkpointed_regions_in_dynamo()
         self._plans: dict[str, Plan] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):

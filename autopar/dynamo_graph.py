@@ -3,11 +3,13 @@ found by identity among the live modules and named by FQN; the call's tensors; v
 where its loss is, the nn.Module that runs it with capture's names, and the plan cache's key for it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
+import itertools
 import json
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -89,12 +91,11 @@ class GraphInputs:
         if loss is None:
             raise ValueError("the compiled graph returns no scalar loss that requires grad: the autopar backend "
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
-                             "module (e.g. call it with labels=...), call it with grad enabled, and keep the code "
-                             "from its inputs to the loss free of graph breaks (print, .item(), data-dependent "
-                             "branches, activation checkpointing: transformers' gradient_checkpointing_enable() "
-                             "and torch.utils.checkpoint run each checkpointed layer as a graph of its own, traced "
-                             "without grad; turn it off, or use autopar.parallelize, which honours it); "
-                             "torch._dynamo.explain(model)(*inputs) lists them")
+                             "module (e.g. call it with labels=...) and call it with grad enabled. This graph was "
+                             "traced without grad: under torch.no_grad(), or inside a region Dynamo ran eagerly "
+                             "(a checkpointed layer with a graph break inside: print, .item(), a data-dependent "
+                             "branch); torch._dynamo.explain(model)(*inputs) lists the graph breaks, and "
+                             "autopar.parallelize captures the model without Dynamo")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
                    len(example), forward_only, crossing=crossing)
 
@@ -174,21 +175,34 @@ class GraphStep(nn.Module):
 
 class _Annotated(fx.Interpreter):
     """Runs a Dynamo graph node by node, each under the module path Dynamo recorded for it, so the traced ATen
-    nodes (and the backward nodes derived from them) carry their module's FQN."""
+    nodes (and the backward nodes derived from them) carry their module's FQN. A checkpointed region (Dynamo's
+    `tag_activation_checkpoint` call: torch.utils.checkpoint, transformers' activation checkpointing) is run
+    node by node too, its nodes also tagged with the region's number as `compat.checkpoint_regions` tags them
+    under `autopar.parallelize`, so codegen recomputes them in backward rather than saving them."""
 
     _path: str | None = None
+
+    def __init__(self, gm: fx.GraphModule, region: int | None = None, regions: Iterator[int] | None = None):
+        super().__init__(gm)
+        self._region, self._regions = region, regions if regions is not None else itertools.count()
 
     def run_node(self, n: fx.Node) -> Any:
         self._path = compat.dynamo_module_path(n) if n.op == "call_function" else None
         return super().run_node(n)
 
     def call_function(self, target, args, kwargs) -> Any:
+        region = compat.checkpointed_call(target, args, kwargs)
+        if region is not None:
+            body, operands = region
+            return _Annotated(body, next(self._regions), self._regions).run(*operands)
         # Annotated here, inside run_node: while tracing with node meta preserved, the interpreter makes a copy of
         # the Dynamo node's meta the current one for the node's duration, which would drop an annotation made
         # around it (every op of the capture would then be the root's, and no layer's).
-        if self._path is None:
-            return super().call_function(target, args, kwargs)
-        with compat.annotate(MODULE_KEY, self._path):
+        with contextlib.ExitStack() as tags:
+            if self._path is not None:
+                tags.enter_context(compat.annotate(MODULE_KEY, self._path))
+            if self._region is not None:
+                tags.enter_context(compat.annotate(compat.CHECKPOINT_KEY, self._region))
             return super().call_function(target, args, kwargs)
 
 
@@ -212,6 +226,8 @@ def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: 
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
         target = getattr(n.target, "__qualname__", None) or str(n.target)
         parts.append(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args}")
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule):
+            parts.append(getattr(gm, n.target).code)  # a checkpointed region's graph
     for i, x in enumerate(graph.inputs):
         parts.append(f"input/{i}|{shape(x)}|{x.dtype}")
     parts += [f"crossing/{name}|{pos}" for pos, name in sorted(graph.crossing.items())]  # shapes: placeholders

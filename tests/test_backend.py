@@ -65,6 +65,9 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
     model, inputs, loss_fn = build(base)
     if variant == "break":  # a graph break before the final norm: the layers in one graph, the head in others
         _break_before(model.norm)
+    if variant == "ckpt":  # transformers' own activation checkpointing, as a fine-tuning script turns it on
+        model.model.config.use_cache = False  # else its warning that checkpointing turns the cache off breaks the graph
+        model.model.activation_checkpointing_enable()
     if name == "hf_gpt2":  # else its loss function logs a warning, a graph break before the loss
         model.model.loss_type = "ForCausalLM"
     step = Step(model, loss_fn)
@@ -96,6 +99,7 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
     out["backend"] = dict(b.stats)
     out["recompute"] = {k: v["variant"] for plan in b._plans.values() for k, v in plan.recompute.items()}
     out["recomputed"] = [v for program in b.programs for v in program.recomputed]
+    out["layers"] = model.model.config.num_hidden_layers if variant == "ckpt" else None
     if with_parallelize:  # the same pins through autopar.parallelize: its first step's loss and gradients
         model, inputs, loss_fn = build(name)
         config = autopar.Config(solver=QUIET, **_pinned_config(name, model, inputs, shape, names, kind))
@@ -134,7 +138,8 @@ def _sharded(placements: dict) -> bool:
 
 CASES = [("mlp", "solver"), ("mlp", "fsdp_tp"), ("llama", "solver"), ("llama", "fsdp_tp"),
          ("llama/break", "solver"), ("llama/break", "fsdp_tp"),
-         ("hf_llama", "solver"), ("hf_llama", "fsdp_tp"), ("hf_gpt2", "solver"), ("hf_gpt2", "fsdp"),
+         # transformers' activation checkpointing: each layer a checkpointed region in the one graph.
+         ("hf_llama", "solver"), ("hf_llama/ckpt", "fsdp_tp"), ("hf_gpt2", "solver"), ("hf_gpt2", "fsdp"),
          ("hf_bert", "solver"), ("hf_bert", "fsdp"),
          # The layers recomputed in full: the backend finds a compiled graph's layers (their ops named by module).
          ("llama", "fsdp_tp+full")]
@@ -163,6 +168,9 @@ def test_compiled_module_matches_single_device(name, kind):
         # Each layer's attention runs again in backward (without the layers' ops, only parameter casts would).
         attention = [v for v in got["recomputed"] if "scaled_dot_product" in v]
         assert len(attention) == LLAMA_TINY.n_layers, got["recomputed"]
+    if name.endswith("/ckpt"):  # the model's checkpointed layers run again in backward, their attention included
+        attention = [v for v in got["recomputed"] if "scaled_dot_product" in v]
+        assert len(attention) == got["layers"], got["recomputed"]
     if name.endswith("/break") and kind != "solver":  # the layers before the break were planned too
         assert _sharded({k: v for k, v in got["placements"].items() if k.startswith("layers.0.")})
     name = name.partition("/")[0]
@@ -429,12 +437,12 @@ def test_a_compiled_graphs_ops_belong_to_the_layers_dynamo_traced_them_in():
         [n for n in ops if n.startswith("root/")]
 
 
-def test_a_graph_without_its_loss_names_activation_checkpointing():
-    """transformers' gradient checkpointing breaks a compiled model into graphs, each checkpointed layer traced
-    without grad and so without the loss: the backend's error says so and what to do."""
+def test_a_graph_traced_without_grad_or_loss_says_why():
+    """A graph Dynamo traced without grad that returns no loss (under no_grad, or a region Dynamo ran eagerly):
+    the backend's error says why and what to do."""
     from autopar.dynamo_graph import GraphInputs
 
-    with torch.no_grad():  # as a reentrant checkpoint runs the layer's forward
+    with torch.no_grad():
         gm, example = _dynamo_graph(nn.Linear(8, 8), torch.randn(2, 8))
-    with pytest.raises(ValueError, match=r"gradient_checkpointing_enable\(\).*autopar\.parallelize"):
+    with pytest.raises(ValueError, match=r"traced without grad.*explain.*autopar\.parallelize"):
         GraphInputs.of(gm, example)
