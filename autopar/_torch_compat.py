@@ -273,10 +273,12 @@ def dynamo_module_path(node: torch.fx.Node) -> str | None:
     "" for the root itself, None when Dynamo recorded none."""
     import re
 
-    stack = node.meta.get("nn_module_stack")
+    # Modules Dynamo reached through a global (transformers wraps functions such as apply_rotary_pos_emb as a
+    # module held by its Python module) are not the root's: the innermost one reached from the frame is.
+    stack = [p for p, _ in (node.meta.get("nn_module_stack") or {}).values() if not str(p).startswith("G[")]
     if not stack:
         return None
-    path = list(stack.values())[-1][0]
+    path = stack[-1]
     path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]", "", str(path))
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)

@@ -187,8 +187,12 @@ class _Annotated(fx.Interpreter):
         self._region, self._regions = region, regions if regions is not None else itertools.count()
 
     def run_node(self, n: fx.Node) -> Any:
-        self._path = compat.dynamo_module_path(n) if n.op == "call_function" else None
+        self._path = compat.dynamo_module_path(n) if n.op in ("call_function", "call_method") else None
         return super().run_node(n)
+
+    def call_method(self, target, args, kwargs) -> Any:
+        with self._tags():
+            return super().call_method(target, args, kwargs)
 
     def call_function(self, target, args, kwargs) -> Any:
         region = compat.checkpointed_call(target, args, kwargs)
@@ -198,12 +202,17 @@ class _Annotated(fx.Interpreter):
         # Annotated here, inside run_node: while tracing with node meta preserved, the interpreter makes a copy of
         # the Dynamo node's meta the current one for the node's duration, which would drop an annotation made
         # around it (every op of the capture would then be the root's, and no layer's).
+        with self._tags():
+            return super().call_function(target, args, kwargs)
+
+    @contextlib.contextmanager
+    def _tags(self) -> Iterator[None]:
         with contextlib.ExitStack() as tags:
             if self._path is not None:
                 tags.enter_context(compat.annotate(MODULE_KEY, self._path))
             if self._region is not None:
                 tags.enter_context(compat.annotate(compat.CHECKPOINT_KEY, self._region))
-            return super().call_function(target, args, kwargs)
+            yield
 
 
 def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: Config, inner: str,

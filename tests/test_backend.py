@@ -437,6 +437,31 @@ def test_a_compiled_graphs_ops_belong_to_the_layers_dynamo_traced_them_in():
         [n for n in ops if n.startswith("root/")]
 
 
+def test_a_compiled_transformers_models_ops_belong_to_its_modules():
+    """transformers' Llama through Dynamo: ops of tensor methods (x.view, x.transpose) and of functions transformers
+    wraps as modules held by its Python module (apply_rotary_pos_emb) belong to the root's module they run in, as
+    under `autopar.parallelize`: each op's module is one of the root's, and the two layers' ops are named alike."""
+    from autopar.backend import capture_graph
+    from autopar.dynamo_graph import GraphInputs, GraphStep
+    from test_execution import build
+
+    model, inputs, loss_fn = build("hf_llama")
+    step = Step(model, loss_fn)
+    gm, example = _dynamo_graph(step, *inputs)
+    assert any(n.op == "call_method" for n in gm.graph.nodes)
+    graph = GraphInputs.of(gm, example)
+    mesh = autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")
+    cap = capture_graph(GraphStep(graph.root, gm, graph, example), graph, mesh, autopar.Config(solver=QUIET)).captured
+    ops = [cap.names[n] for n in cap.compute_nodes()]
+    modules = dict(step.named_modules())
+    assert {n.partition("/")[0] for n in ops} <= modules.keys() | {"root"}, sorted({n.partition("/")[0] for n in ops})
+    layers = "model.model.model.layers"
+    per_layer = [collections.Counter(n.replace(f"{layers}.{i}", f"{layers}.*") for n in ops
+                                     if n.startswith((f"{layers}.{i}.", f"{layers}.{i}/"))) for i in range(2)]
+    assert per_layer[1] and per_layer[1] <= per_layer[0], per_layer
+    assert sum(per_layer[1].values()) > 0.4 * len(ops)  # the rotary embedding's ops are the attention's
+
+
 def test_a_graph_traced_without_grad_or_loss_says_why():
     """A graph Dynamo traced without grad that returns no loss (under no_grad, or a region Dynamo ran eagerly):
     the backend's error says why and what to do."""
