@@ -88,6 +88,13 @@ class GraphInputs:
             heads = [k for k, v in enumerate(values) if _value(v) is not None and _value(v).requires_grad]
             return cls(root, params, buffers, positions, tuple(example[i] for i in positions), -1, len(values),
                        len(example), heads=heads, crossing=crossing)
+        if loss is None and _input_grads_hook():
+            raise ValueError("the compiled graph returns no scalar loss that requires grad: transformers' "
+                             "enable_input_require_grads() hook (which gradient_checkpointing_enable() adds) calls "
+                             "requires_grad_() on the input embeddings' output, which Dynamo cannot trace, so it ran "
+                             "the model's forward eagerly in parts. Call model.disable_input_require_grads() after "
+                             "enabling checkpointing: autopar recomputes checkpointed layers without it, and frozen "
+                             "input embeddings stay frozen")
         if loss is None:
             raise ValueError("the compiled graph returns no scalar loss that requires grad: the autopar backend "
                              "compiles training steps that end in their loss. Compute the loss inside the compiled "
@@ -98,6 +105,12 @@ class GraphInputs:
                              "autopar.parallelize captures the model without Dynamo")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
                    len(example), forward_only, crossing=crossing)
+
+
+def _input_grads_hook() -> bool:
+    """Whether a live module holds transformers' enable_input_require_grads() hook."""
+    return any(getattr(o, "_require_grads_hooks", None) or getattr(o, "_require_grads_hook", None) is not None
+               for o in gc.get_objects() if issubclass(type(o), nn.Module))
 
 
 def _value(node: Any) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar import _torch_compat as compat
 from autopar.models import LLAMA_TINY, Llama, cross_entropy_loss
 from autopar.testing.dist import get_pool
 from test_execution import (CLIP, LR, MESHES, QUIET, STEPS, _full, _mesh, _pinned_config, build,
@@ -460,6 +461,82 @@ def test_a_compiled_transformers_models_ops_belong_to_its_modules():
                                      if n.startswith((f"{layers}.{i}.", f"{layers}.{i}/"))) for i in range(2)]
     assert per_layer[1] and per_layer[1] <= per_layer[0], per_layer
     assert sum(per_layer[1].values()) > 0.4 * len(ops)  # the rotary embedding's ops are the attention's
+
+
+def fine_tune_compiled(case: str, steps: int) -> dict:
+    """test_finetuning's case (a padded batch, frozen weights, transformers' gradient checkpointing) compiled with
+    the backend under the solver's plan: its losses and first gradients, as test_finetuning records them."""
+    import torch._dynamo
+    from test_finetuning import LR, build
+    from autopar.testing.dist import cpu_mesh
+
+    torch._dynamo.reset()
+    model, inputs, _ = build(case)
+    model.model.config.use_cache = False
+    model.model.disable_input_require_grads()  # the checkpointing's hook Dynamo cannot trace; autopar needs none
+    b = autopar.backend(cpu_mesh((2, 2), ("dp", "tp")), config=autopar.Config(solver=QUIET, inner_compiler="eager"))
+    cm = torch.compile(model, backend=b, dynamic=False)
+    out = {"losses": []}
+    loss = cm(*inputs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-6)
+    for step in range(steps):
+        if step:
+            opt.zero_grad()
+            loss = cm(*inputs)
+        loss.backward()
+        if step == 0:
+            out["grads"] = {k: None if p.grad is None else _full(p.grad) for k, p in model.named_parameters()}
+        opt.step()
+        out["losses"].append(loss.item())
+    out["backend"] = dict(b.stats)
+    out["recomputed"] = sum(len(p.recomputed) for p in b.programs)
+    out["saved"] = sum(len(p.saved) for p in b.programs)
+    return out if torch.distributed.get_rank() == 0 else {"losses": out["losses"]}
+
+
+@pytest.mark.slow
+def test_a_compiled_fine_tuning_step_trains_like_one_device():
+    """transformers' Qwen2 as test_finetuning trains it (a padded batch, frozen tied embeddings and query
+    projections, gradient_checkpointing_enable()), compiled with the backend: one graph, its checkpointed layers
+    recomputed, frozen weights without gradients, and losses and gradients equal to one device's."""
+    from test_finetuning import STEPS, _close, _floor, reference
+
+    results = get_pool(4).run(fine_tune_compiled, "qwen2", STEPS)
+    ref, got = reference("qwen2"), results[0]
+    assert got["backend"] == {"compiles": 1, "planned": 1, "reused": 0}, got["backend"]
+    assert got["recomputed"] > got["saved"], (got["recomputed"], got["saved"])
+    for rank, r in enumerate(results):
+        _close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), f"losses on rank {rank}")
+    floor = _floor(ref["grads"].values())
+    for k, g in ref["grads"].items():
+        if g is None:
+            assert got["grads"][k] is None, f"{k} is frozen but got a gradient"
+        else:
+            _close(got["grads"][k], g, f"grad of {k}", floor)
+
+
+def test_transformers_input_grads_hook_is_named_where_dynamo_cannot_trace_it():
+    """gradient_checkpointing_enable() with frozen input embeddings: transformers' hook making the embeddings'
+    output require grad breaks Dynamo's graph and leaves graphs without the loss; the error names the hook and
+    the call that removes it."""
+    import torch._dynamo
+    from autopar.dynamo_graph import GraphInputs
+    from test_finetuning import build
+
+    compat.checkpointed_regions_in_dynamo()
+    model, inputs, _ = build("qwen2")
+    model.model.config.use_cache = False
+
+    def check(gm, example):
+        GraphInputs.of(gm, list(example))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception, match=r"enable_input_require_grads.*disable_input_require_grads\(\)"):
+            torch.compile(model, backend=check, dynamic=False)(*inputs)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_graph_traced_without_grad_or_loss_says_why():
