@@ -88,7 +88,8 @@ class GraphInputs:
             heads = [k for k, v in enumerate(values) if _value(v) is not None and _value(v).requires_grad]
             return cls(root, params, buffers, positions, tuple(example[i] for i in positions), -1, len(values),
                        len(example), heads=heads, crossing=crossing)
-        if loss is None and _input_grads_hook():
+        if loss is None and _input_grads_hook(root, bool(params or buffers) or any(isinstance(v, nn.Parameter)
+                                                                                   for v in example)):
             raise ValueError("the compiled graph returns no scalar loss that requires grad: transformers' "
                              "enable_input_require_grads() hook (which gradient_checkpointing_enable() adds) calls "
                              "requires_grad_() on the input embeddings' output, which Dynamo cannot trace, so it ran "
@@ -107,10 +108,16 @@ class GraphInputs:
                    len(example), forward_only, crossing=crossing)
 
 
-def _input_grads_hook() -> bool:
-    """Whether a live module holds transformers' enable_input_require_grads() hook."""
-    return any(getattr(o, "_require_grads_hooks", None) or getattr(o, "_require_grads_hook", None) is not None
-               for o in gc.get_objects() if issubclass(type(o), nn.Module))
+def _input_grads_hook(root: nn.Module, reads_state: bool) -> bool:
+    """Whether a module holding transformers' enable_input_require_grads() hook holds `root` (the graph's, found
+    by the state it reads), or `root` it; any live one where the graph reads no module state."""
+    mods = {id(m) for m in root.modules()}
+    for o in gc.get_objects():
+        if issubclass(type(o), nn.Module) and (getattr(o, "_require_grads_hooks", None)
+                                               or getattr(o, "_require_grads_hook", None) is not None):
+            if not reads_state or id(o) in mods or any(id(m) in mods for m in o.modules()):
+                return True
+    return False
 
 
 def _value(node: Any) -> torch.Tensor | None:

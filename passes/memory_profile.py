@@ -172,8 +172,9 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
     # A gradient the profile found no allocation for (a view of a graph input) stays in the static state.
     counted = {pnode for o in grads for pnode, _ in grads[o][0]}
     static, kept = _static(ctx, produced=counted), _static(ctx, produced=counted, grads_only=True)
-    for k in static:  # a pipeline rank stores only its stage's parameters
+    for k in static:  # a pipeline rank stores only its stage's parameters and buffers
         static[k] = static[k] * factor.get(k, 1.0)
+    for k in kept:
         kept[k] = kept[k] * factor.get(k, 1.0)
     return MemoryProfile(keys, act_bytes, static, weight, term_key, kept)
 
@@ -245,8 +246,8 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
             ) -> dict[str, np.ndarray]:
     """Parameter, optimizer state (and the fp32 master copy) and gradient buffers on each rank, but the gradients
     of the parameters in `produced` (counted where the backward produces them), per strategy of each parameter
-    key, summed over the parameters (and template-scaled layers) the key stands for; `grads_only`: the gradient
-    buffers alone."""
+    key, summed over the parameters (and template-scaled layers) the key stands for, and the module buffers the
+    step reads per strategy of theirs; `grads_only`: the gradient buffers alone."""
     out: dict[str, np.ndarray] = {}
     for fqn, node in ctx.captured.params.items():
         key = ctx.key[node]
@@ -258,6 +259,14 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
             ctx.precision.grad_dtype.itemsize if trained and node in produced else 0)
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
+    if not grads_only:  # buffers the step reads (rotary caches, batch norm statistics), in their layouts
+        for node in ctx.captured.buffers.values():
+            key = ctx.key.get(node)
+            if key is None or key not in ctx.strategies:
+                continue
+            numel = math.prod(node.meta["val"].shape) * node.meta["val"].dtype.itemsize
+            shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
+            out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1]
     return out
 
 

@@ -393,6 +393,19 @@ def _param_local_numel(ctx: PassContext, trainable_only: bool = False) -> float:
     return total
 
 
+def _buffer_bytes(ctx: PassContext) -> float:
+    """Bytes of the module buffers the step reads on this rank, in their chosen layouts."""
+    total = 0.0
+    for node in ctx.captured.buffers.values():
+        key = ctx.key.get(node)
+        if key is None or key not in ctx.strategies:
+            continue
+        v = node.meta["val"]
+        total += math.prod(v.shape) * v.dtype.itemsize / _shard(ctx.chosen(key).outs[0], ctx.mesh.shape) * \
+            _scale(ctx, node)[1]
+    return total
+
+
 def _optimizer_time(ctx: PassContext) -> float:
     # AdamW reads and writes param, grad and both moments of each trainable parameter: memory bound.
     numel = _param_local_numel(ctx, trainable_only=True)
@@ -416,8 +429,9 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py), but
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
-    static = param_b + grad_b + opt_b + master + accumulation + buckets
-    mem = {"params": int(param_b), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
+    buffers = _buffer_bytes(ctx)
+    static = param_b + buffers + grad_b + opt_b + master + accumulation + buckets
+    mem = {"params": int(param_b), "buffers": int(buffers), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
            "master_weights": int(master), "activations": int(peak - live_grads)}
     if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
         from autopar.passes.split_stages import stage_memory

@@ -89,6 +89,10 @@ def _memory_factor(ctx: PassContext, setup: Setup, key: str) -> float:
     return 1.0 if param or side == "last" else float(setup.size)
 
 
+# The kinds of persistent state a rank holds (the step simulator's memory breakdown), split across stages.
+PERSISTENT = ("params", "buffers", "grads", "optimizer", "master_weights")
+
+
 def stage_memory(ctx: PassContext, memory: dict[str, int], activation_peak: float) -> tuple[dict[str, int], int]:
     """One pipeline rank's memory as the ILP bounds it (see stage_memory_pass): its stage's persistent state
     and `activation_peak`, the peak of the memory profile with a stage's saved activations counted once per
@@ -98,8 +102,8 @@ def stage_memory(ctx: PassContext, memory: dict[str, int], activation_peak: floa
     static = memory_profile(ctx).peak(ctx.choice)[0]
     saved = sum(c[ctx.choice[k]] for k, c in ctx.memory_cost.items() if not k.startswith("param/"))
     setup.transient = max(0.0, activation_peak - saved)
-    whole = sum(memory.get(k, 0) for k in ("params", "grads", "optimizer", "master_weights")) or 1
-    out = {k: int(memory[k] * static / whole) for k in ("params", "grads", "optimizer", "master_weights")
+    whole = sum(memory.get(k, 0) for k in PERSISTENT) or 1
+    out = {k: int(memory[k] * static / whole) for k in PERSISTENT
            if k in memory}
     out["activations"] = int(activation_peak)
     return out, int(static + activation_peak)
@@ -242,8 +246,8 @@ def split_stages_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     sim = ctx.simulation
     worst = max(range(len(best.memory)), key=best.memory.__getitem__)
     static = best.memory_parts[worst]["static"]
-    whole = sum(sim.memory.get(k, 0) for k in ("params", "grads", "optimizer", "master_weights")) or 1
-    sim.memory = {k: int(sim.memory[k] * static / whole) for k in ("params", "grads", "optimizer", "master_weights")
+    whole = sum(sim.memory.get(k, 0) for k in PERSISTENT) or 1
+    sim.memory = {k: int(sim.memory[k] * static / whole) for k in PERSISTENT
                   if k in sim.memory}
     sim.memory["activations"] = int(best.memory_parts[worst]["activations"])
     sim.peak_memory = int(best.peak_memory)

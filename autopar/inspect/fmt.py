@@ -187,7 +187,7 @@ def pipeline_info(plan: Any) -> dict | None:
     return None
 
 
-MEMORY_ORDER = ("params", "grads", "optimizer", "master_weights", "activations")
+MEMORY_ORDER = ("params", "buffers", "grads", "optimizer", "master_weights", "activations")
 
 
 def memory_items(plan: Any) -> list[tuple[str, int]]:
