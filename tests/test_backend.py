@@ -467,7 +467,7 @@ def fine_tune_compiled(case: str, steps: int) -> dict:
     """test_finetuning's case (a padded batch, frozen weights, transformers' gradient checkpointing) compiled with
     the backend under the solver's plan: its losses and first gradients, as test_finetuning records them."""
     import torch._dynamo
-    from test_finetuning import LR, build
+    from test_finetuning import build, train_steps
     from autopar.testing.dist import cpu_mesh
 
     torch._dynamo.reset()
@@ -475,19 +475,7 @@ def fine_tune_compiled(case: str, steps: int) -> dict:
     model.model.config.use_cache = False
     model.model.disable_input_require_grads()  # the checkpointing's hook Dynamo cannot trace; autopar needs none
     b = autopar.backend(cpu_mesh((2, 2), ("dp", "tp")), config=autopar.Config(solver=QUIET, inner_compiler="eager"))
-    cm = torch.compile(model, backend=b, dynamic=False)
-    out = {"losses": []}
-    loss = cm(*inputs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-6)
-    for step in range(steps):
-        if step:
-            opt.zero_grad()
-            loss = cm(*inputs)
-        loss.backward()
-        if step == 0:
-            out["grads"] = {k: None if p.grad is None else _full(p.grad) for k, p in model.named_parameters()}
-        opt.step()
-        out["losses"].append(loss.item())
+    out, _ = train_steps(torch.compile(model, backend=b, dynamic=False), model, inputs, steps)
     out["backend"] = dict(b.stats)
     out["recomputed"] = sum(len(p.recomputed) for p in b.programs)
     out["saved"] = sum(len(p.saved) for p in b.programs)

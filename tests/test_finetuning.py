@@ -130,18 +130,26 @@ def plan_json(case: str) -> str:
     return plan_recipe(CASES[case][2], model, mesh, inputs, config=config, quiet=True).to_json()
 
 
-def _train(model, inputs, distributed: bool) -> dict:
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=1e-6)
+def train_steps(call, model, inputs, steps: int = STEPS) -> tuple[dict, torch.optim.Optimizer]:
+    """({"losses", first step's "grads"}, the optimizer) of `steps` AdamW steps of call(*inputs) over `model`'s
+    trainable parameters; the optimizer is made after the first call, as the torch.compile backend asks."""
     out = {"losses": []}
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(*inputs)
+    loss = call(*inputs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-6)
+    for step in range(steps):
+        if step:
+            opt.zero_grad()
+            loss = call(*inputs)
         loss.backward()
         if step == 0:
             out["grads"] = {k: None if p.grad is None else _full(p.grad) for k, p in model.named_parameters()}
         opt.step()
         out["losses"].append(loss.item())
+    return out, opt
+
+
+def _train(model, inputs, distributed: bool) -> dict:
+    out, opt = train_steps(model, model, inputs)
     out["state"] = {k: _full(v) for k, v in (model.full_state_dict() if distributed else model.state_dict()).items()}
     out["optimizer_state"] = sorted(k for k, p in model.named_parameters() if p in opt.state)
     model.eval()
