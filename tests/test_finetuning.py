@@ -194,6 +194,20 @@ def _floor(tensors) -> float:
     return 1e-6 * max((t.abs().max().item() for t in tensors if t is not None and t.numel()), default=1.0)
 
 
+def check_losses_and_grads(results: list[dict], ref: dict) -> None:
+    """Every rank's losses and rank 0's first gradients against one device's (a frozen weight gets none)."""
+    for rank, r in enumerate(results):
+        _close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), f"losses on rank {rank}")
+    got = results[0]
+    assert set(got["grads"]) == set(ref["grads"])
+    floor = _floor(ref["grads"].values())
+    for k, g in ref["grads"].items():
+        if g is None:
+            assert got["grads"][k] is None, f"{k} is frozen but got a gradient"
+        else:
+            _close(got["grads"][k], g, f"grad of {k}", floor)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_like_one_device(case):
@@ -205,16 +219,8 @@ def test_trains_like_one_device(case):
         assert plan.batch_norms == {f"blocks.{i}.1": "global over dp+tp" for i in range(3)}, plan.batch_norms
     results = pool.run(train_parallel, case, plan.to_json())
     ref, got = reference(case), results[0]
-    for rank, r in enumerate(results):
-        _close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), f"losses on rank {rank}")
+    check_losses_and_grads(results, ref)
     _close(torch.tensor(got["eval_loss"]), torch.tensor(ref["eval_loss"]), "eval-mode loss after training")
-    assert set(got["grads"]) == set(ref["grads"])
-    floor = _floor(ref["grads"].values())
-    for k, g in ref["grads"].items():
-        if g is None:
-            assert got["grads"][k] is None, f"{k} is frozen but got a gradient"
-        else:
-            _close(got["grads"][k], g, f"grad of {k}", floor)
     assert set(got["state"]) == set(ref["state"])  # every parameter and buffer, none dropped
     floor = _floor(v.float() for v in ref["state"].values())
     for k, v in ref["state"].items():
