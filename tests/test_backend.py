@@ -438,6 +438,7 @@ def test_a_compiled_graphs_ops_belong_to_the_layers_dynamo_traced_them_in():
         [n for n in ops if n.startswith("root/")]
 
 
+@pytest.mark.slow
 def test_a_compiled_transformers_models_ops_belong_to_its_modules():
     """transformers' Llama through Dynamo: ops of tensor methods (x.view, x.transpose) and of functions transformers
     wraps as modules held by its Python module (apply_rotary_pos_emb) belong to the root's module they run in, as
@@ -496,6 +497,7 @@ def test_a_compiled_fine_tuning_step_trains_like_one_device():
     check_losses_and_grads(results, reference("qwen2"))
 
 
+@pytest.mark.slow
 def test_transformers_input_grads_hook_is_named_where_dynamo_cannot_trace_it():
     """gradient_checkpointing_enable() with frozen input embeddings: transformers' hook making the embeddings'
     output require grad breaks Dynamo's graph and leaves graphs without the loss; the error names the hook and
