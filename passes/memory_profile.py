@@ -259,14 +259,23 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
             ctx.precision.grad_dtype.itemsize if trained and node in produced else 0)
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
-    if not grads_only:  # buffers the step reads (rotary caches, batch norm statistics), in their layouts
-        for node in ctx.captured.buffers.values():
-            key = ctx.key.get(node)
-            if key is None or key not in ctx.strategies:
-                continue
-            numel = math.prod(node.meta["val"].shape) * node.meta["val"].dtype.itemsize
-            shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
-            out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1]
+    if not grads_only:
+        for key, b in buffer_bytes(ctx).items():
+            out[key] = out.get(key, 0.0) + b
+    return out
+
+
+def buffer_bytes(ctx: PassContext) -> dict[str, np.ndarray]:
+    """Per key of a module buffer the step reads (rotary tables, batch norm statistics), its bytes on one rank
+    under each of the key's strategies."""
+    out: dict[str, np.ndarray] = {}
+    for node in ctx.captured.buffers.values():
+        key = ctx.key.get(node)
+        if key is None or key not in ctx.strategies:
+            continue
+        size = math.prod(node.meta["val"].shape) * node.meta["val"].dtype.itemsize * _scale(ctx, node)[1]
+        shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
+        out[key] = out.get(key, 0.0) + size / shard
     return out
 
 

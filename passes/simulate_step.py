@@ -15,7 +15,7 @@ from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
-from autopar.passes.memory_profile import memory_profile
+from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
 from autopar.rules.base import flat_tensor_args, op_info
 from autopar.strategy import FP8_TENSORWISE_AG
@@ -393,19 +393,6 @@ def _param_local_numel(ctx: PassContext, trainable_only: bool = False) -> float:
     return total
 
 
-def _buffer_bytes(ctx: PassContext) -> float:
-    """Bytes of the module buffers the step reads on this rank, in their chosen layouts."""
-    total = 0.0
-    for node in ctx.captured.buffers.values():
-        key = ctx.key.get(node)
-        if key is None or key not in ctx.strategies:
-            continue
-        v = node.meta["val"]
-        total += math.prod(v.shape) * v.dtype.itemsize / _shard(ctx.chosen(key).outs[0], ctx.mesh.shape) * \
-            _scale(ctx, node)[1]
-    return total
-
-
 def _optimizer_time(ctx: PassContext) -> float:
     # AdamW reads and writes param, grad and both moments of each trainable parameter: memory bound.
     numel = _param_local_numel(ctx, trainable_only=True)
@@ -429,7 +416,7 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py), but
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
-    buffers = _buffer_bytes(ctx)
+    buffers = sum(float(b[ctx.choice[k]]) for k, b in buffer_bytes(ctx).items())
     static = param_b + buffers + grad_b + opt_b + master + accumulation + buckets
     mem = {"params": int(param_b), "buffers": int(buffers), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
            "master_weights": int(master), "activations": int(peak - live_grads)}

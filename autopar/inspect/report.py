@@ -22,8 +22,8 @@ from autopar.inspect.techniques import techniques_text
 from autopar.layout import fmt
 
 _COLORS = {"R": "#d9d9d9", "P": "#c44e52", 0: "#4c72b0", 1: "#55a868", 2: "#8172b2", 3: "#64b5cd"}
-_MEM_COLORS = {"params": "#4c72b0", "buffers": "#937860", "grads": "#55a868", "optimizer": "#c44e52", "master_weights": "#8172b2",
-               "activations": "#dd8452"}
+_MEM_COLORS = {"params": "#4c72b0", "buffers": "#937860", "grads": "#55a868", "optimizer": "#c44e52",
+               "master_weights": "#8172b2", "activations": "#dd8452"}
 _TOP_OPS = 15
 
 
