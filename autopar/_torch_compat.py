@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -110,7 +110,7 @@ def checkpoint_regions() -> Iterator[None]:
 
     def generator(fn, preserve_rng_state=True, context_fn=None, determinism_check=None, debug=False,
                   early_stop=True, *args, **kwargs):
-        with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+        with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}), checkpoint_policy(context_fn):
             yield
 
     class Reentrant:
@@ -127,19 +127,48 @@ def checkpoint_regions() -> Iterator[None]:
         ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = saved
 
 
-def checkpointed_call(target: Any, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, tuple] | None:
+@contextlib.contextmanager
+def checkpoint_policy(context_fn: Callable[[], tuple] | None) -> Iterator[None]:
+    """Inside a checkpointed region while it is traced: the forward context of the checkpoint's `context_fn`. For a
+    selective policy (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that context, under tracing,
+    records each op's policy on its nodes (`meta["recompute"]`, read by `checkpoint_saves`), as it does for
+    torch.compile; autopar never runs the recompute context (codegen recomputes from the graph)."""
+    if context_fn is None:
+        yield
+        return
+    forward, _ = context_fn()
+    with forward:
+        yield
+
+
+def checkpoint_saves(node: torch.fx.Node) -> bool:
+    """Whether a selective checkpoint policy marked a traced op's output to be saved (MUST_SAVE or PREFER_SAVE)
+    rather than recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def checkpointed_call(target: Any, args: tuple, kwargs: dict
+                      ) -> tuple[torch.fx.GraphModule, tuple, Callable[[], tuple] | None] | None:
     """For a Dynamo graph's call of a checkpointed region (torch.utils.checkpoint, which Dynamo traces into one
-    `tag_activation_checkpoint` call of the region's graph): (the region's GraphModule, its arguments); None for
-    any other call. The checkpoint's own options (a selective policy's context_fn included) are dropped."""
+    `tag_activation_checkpoint` call of the region's graph): (the region's GraphModule, its arguments, the
+    checkpoint's `context_fn` or None: see checkpoint_policy); None for any other call. The checkpoint's other
+    options are dropped."""
     from torch._higher_order_ops.wrap import tag_activation_checkpoint
 
     if target is not tag_activation_checkpoint:
         return None
-    _, body_kwargs = tag_activation_checkpoint.divide_kwargs(kwargs)
+    options, body_kwargs = tag_activation_checkpoint.divide_kwargs(kwargs)
     if body_kwargs:
         raise ValueError(f"a checkpointed region takes keyword arguments {sorted(body_kwargs)} in the compiled graph; "
                          "autopar runs checkpointed regions of positional arguments: pass them positionally")
-    return args[0], tuple(args[1:])
+    return args[0], tuple(args[1:]), options.get("context_fn") or checkpointed_call_policy(args[0])
+
+
+def checkpointed_call_policy(region: torch.fx.GraphModule) -> Callable[[], tuple] | None:
+    """The context_fn of a Dynamo graph's checkpointed region, which Dynamo keeps on the region's graph."""
+    return region.meta.get("_checkpoint_context_fn")
 
 
 def checkpoint_region(node: torch.fx.Node) -> int | None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import itertools
 import json
+import re
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -198,7 +200,8 @@ class _Annotated(fx.Interpreter):
     nodes (and the backward nodes derived from them) carry their module's FQN. A checkpointed region (Dynamo's
     `tag_activation_checkpoint` call: torch.utils.checkpoint, transformers' activation checkpointing) is run
     node by node too, its nodes also tagged with the region's number as `compat.checkpoint_regions` tags them
-    under `autopar.parallelize`, so codegen recomputes them in backward rather than saving them."""
+    under `autopar.parallelize`, so codegen recomputes them in backward rather than saving them (but for the ops
+    a selective checkpoint policy saves)."""
 
     _path: str | None = None
 
@@ -217,8 +220,9 @@ class _Annotated(fx.Interpreter):
     def call_function(self, target, args, kwargs) -> Any:
         region = compat.checkpointed_call(target, args, kwargs)
         if region is not None:
-            body, operands = region
-            return _Annotated(body, next(self._regions), self._regions).run(*operands)
+            body, operands, context_fn = region
+            with compat.checkpoint_policy(context_fn):  # a selective policy marks the ops it saves
+                return _Annotated(body, next(self._regions), self._regions).run(*operands)
         # Annotated here, inside run_node: while tracing with node meta preserved, the interpreter makes a copy of
         # the Dynamo node's meta the current one for the node's duration, which would drop an annotation made
         # around it (every op of the capture would then be the root's, and no layer's).
@@ -233,6 +237,22 @@ class _Annotated(fx.Interpreter):
             if self._region is not None:
                 tags.enter_context(compat.annotate(compat.CHECKPOINT_KEY, self._region))
             yield
+
+
+def _policy_key(fn: Any) -> str:
+    """A checkpoint context_fn as the plan cache's key holds it: what it is and what it was given (a function by its
+    name and code), without the addresses a repr prints, which differ between processes."""
+    if fn is None:
+        return "-"
+    if isinstance(fn, functools.partial):
+        return f"{_policy_key(fn.func)}({', '.join(map(_policy_key, fn.args))}; " \
+               f"{', '.join(f'{k}={_policy_key(v)}' for k, v in sorted(fn.keywords.items()))})"
+    if isinstance(fn, (list, tuple)):
+        return f"[{', '.join(map(_policy_key, fn))}]"
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return f"{fn.__module__}.{fn.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()[:16]}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(fn))
 
 
 def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: Config, inner: str,
@@ -256,7 +276,9 @@ def graph_key(gm: fx.GraphModule, graph: GraphInputs, mesh: DeviceMesh, config: 
         target = getattr(n.target, "__qualname__", None) or str(n.target)
         parts.append(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args}")
         if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule):
-            parts.append(getattr(gm, n.target).code)  # a checkpointed region's graph
+            region = getattr(gm, n.target)
+            parts.append(region.code)  # a checkpointed region's graph, and its selective policy
+            parts.append(_policy_key(compat.checkpointed_call_policy(region)))
     for i, x in enumerate(graph.inputs):
         parts.append(f"input/{i}|{shape(x)}|{x.dtype}")
     parts += [f"crossing/{name}|{pos}" for pos, name in sorted(graph.crossing.items())]  # shapes: placeholders

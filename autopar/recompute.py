@@ -17,8 +17,10 @@ The solver offers r at about a quarter, half and three quarters of the stack, in
 stands for count / captured layers of the model: a planning template of 2 captured layers offers half).
 
 Regions the model checkpoints itself (torch.utils.checkpoint, transformers' gradient_checkpointing_enable) are
-recomputed whatever the plan says; a stack whose forward the model checkpoints throughout is recorded as "full"
-by the model. Random ops (dropout) are never recomputed, nor what reads their outputs: their values are saved,
+recomputed whatever the plan says, but for the ops a selective checkpoint policy saves (`context_fn` from
+`torch.utils.checkpoint.create_selective_checkpoint_contexts`: those it marks MUST_SAVE or PREFER_SAVE); a stack
+whose forward the model checkpoints throughout is recorded as "full" by the model, or "selective" where its
+policy saves some ops. Random ops (dropout) are never recomputed, nor what reads their outputs: their values are saved,
 so backward sees the masks forward drew. A value read by forward code outside its region (a layer's output,
 read by the next layer) is saved, not recomputed: recomputing it would chain every earlier layer into the
 backward of the last one.
@@ -86,14 +88,15 @@ def kept_by_selective(node: fx.Node) -> bool:
     return getattr(node.target, "overloadpacket", None) in _KEPT_BY_SELECTIVE
 
 
-def model_checkpointed_stacks(cap: Any) -> set[str]:
-    """Layer stacks whose every forward compute node the model checkpoints itself."""
-    out = set()
+def model_checkpointed_stacks(cap: Any) -> dict[str, str]:
+    """Layer stacks whose every forward compute node the model checkpoints itself, and the variant that is:
+    "full", or "selective" where a selective checkpoint policy saves some of their ops."""
+    out = {}
     for b in cap.blocks:
         fwd = [n for n, (p, _) in cap.block_of.items() if p == b.prefix and n.op == "call_function"
                and cap.phase.get(n) == "fwd"]
         if fwd and all(n in cap.checkpointed for n in fwd):
-            out.add(b.prefix)
+            out[b.prefix] = "selective" if any(compat.checkpoint_saves(n) for n in fwd) else "full"
     return out
 
 
@@ -126,6 +129,8 @@ def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) 
     out = set()
     for n, r in region.items():
         if random(n) or any(random(a) for a in n.all_input_nodes):
+            continue
+        if r[0] == "checkpoint" and compat.checkpoint_saves(n):  # the model's selective policy saves it
             continue
         # Read by forward code of another region (or of no layer): saved, as the region's output.
         if any(u.op == "call_function" and cap.phase.get(u) == "fwd" and home(u) != r for u in n.users):

@@ -105,7 +105,7 @@ def recompute_baseline(ctx: PassContext) -> None:
     ctx.recompute, ctx.recompute_by, ctx.recompute_offered = {}, {}, []
     for b in cap.blocks:
         if b.prefix in by_model:
-            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = "full", "model"
+            ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = by_model[b.prefix], "model"
         elif mode not in ("auto", "off"):  # "selective", "full", "full/r", "full/r/selective"
             ctx.recompute[b.prefix], ctx.recompute_by[b.prefix] = _fixed_variant(mode, b), "config"
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -66,9 +67,15 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
     model, inputs, loss_fn = build(base)
     if variant == "break":  # a graph break before the final norm: the layers in one graph, the head in others
         _break_before(model.norm)
-    if variant == "ckpt":  # transformers' own activation checkpointing, as a fine-tuning script turns it on
+    if variant == "sac":  # transformers' own activation checkpointing, as a fine-tuning script turns it on, with a
+        # selective policy (torchtitan's kind) saving the matmuls' outputs
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
         model.model.config.use_cache = False  # else its warning that checkpointing turns the cache off breaks the graph
-        model.model.activation_checkpointing_enable()
+        policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+        model.model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": policy})
     if name == "hf_gpt2":  # else its loss function logs a warning, a graph break before the loss
         model.model.loss_type = "ForCausalLM"
     step = Step(model, loss_fn)
@@ -100,7 +107,7 @@ def train_compiled(name: str, shape, names, kind: str, inner: str = "eager", wit
     out["backend"] = dict(b.stats)
     out["recompute"] = {k: v["variant"] for plan in b._plans.values() for k, v in plan.recompute.items()}
     out["recomputed"] = [v for program in b.programs for v in program.recomputed]
-    out["layers"] = model.model.config.num_hidden_layers if variant == "ckpt" else None
+    out["layers"] = model.model.config.num_hidden_layers if variant == "sac" else None
     if with_parallelize:  # the same pins through autopar.parallelize: its first step's loss and gradients
         model, inputs, loss_fn = build(name)
         config = autopar.Config(solver=QUIET, **_pinned_config(name, model, inputs, shape, names, kind))
@@ -140,7 +147,7 @@ def _sharded(placements: dict) -> bool:
 CASES = [("mlp", "solver"), ("mlp", "fsdp_tp"), ("llama", "solver"), ("llama", "fsdp_tp"),
          ("llama/break", "solver"), ("llama/break", "fsdp_tp"),
          # transformers' activation checkpointing: each layer a checkpointed region in the one graph.
-         ("hf_llama", "solver"), ("hf_llama/ckpt", "fsdp_tp"), ("hf_gpt2", "solver"), ("hf_gpt2", "fsdp"),
+         ("hf_llama", "solver"), ("hf_llama/sac", "fsdp_tp"), ("hf_gpt2", "solver"), ("hf_gpt2", "fsdp"),
          ("hf_bert", "solver"), ("hf_bert", "fsdp"),
          # The layers recomputed in full: the backend finds a compiled graph's layers (their ops named by module).
          ("llama", "fsdp_tp+full")]
@@ -169,9 +176,12 @@ def test_compiled_module_matches_single_device(name, kind):
         # Each layer's attention runs again in backward (without the layers' ops, only parameter casts would).
         attention = [v for v in got["recomputed"] if "scaled_dot_product" in v]
         assert len(attention) == LLAMA_TINY.n_layers, got["recomputed"]
-    if name.endswith("/ckpt"):  # the model's checkpointed layers run again in backward, their attention included
+    if name.endswith("/sac"):  # the model's checkpointed layers run again in backward, their attention included,
+        # but for the matmuls its policy saves
         attention = [v for v in got["recomputed"] if "scaled_dot_product" in v]
         assert len(attention) == got["layers"], got["recomputed"]
+        assert set(got["recompute"].values()) == {"selective"}, got["recompute"]
+        assert not [v for v in got["recomputed"] if re.fullmatch(r"mm(_\d+)?", v)], got["recomputed"]
     if name.endswith("/break") and kind != "solver":  # the layers before the break were planned too
         assert _sharded({k: v for k, v in got["placements"].items() if k.startswith("layers.0.")})
     name = name.partition("/")[0]
@@ -531,3 +541,31 @@ def test_a_graph_traced_without_grad_or_loss_says_why():
         gm, example = _dynamo_graph(nn.Linear(8, 8), torch.randn(2, 8))
     with pytest.raises(ValueError, match=r"traced without grad.*explain.*autopar\.parallelize"):
         GraphInputs.of(gm, example)
+
+
+def test_the_plan_cache_tells_checkpoint_policies_apart():
+    """A graph whose checkpointed region saves other ops under its selective policy gets another plan: the plan
+    cache's key holds the policy (the same policy, made again, gives the same key)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from autopar.dynamo_graph import GraphInputs, graph_key
+
+    class Checkpointed(nn.Module):
+        def __init__(self, saved):
+            super().__init__()
+            self.fc1, self.fc2, self.saved = nn.Linear(8, 8), nn.Linear(8, 8), saved
+
+        def forward(self, x):
+            policy = functools.partial(create_selective_checkpoint_contexts, list(self.saved))
+            return checkpoint(lambda y: self.fc2(self.fc1(y).relu()), x, use_reentrant=False,
+                              context_fn=policy).sum()
+
+    mesh, config = autopar.fake_mesh(2, "dp", "cpu"), autopar.Config(solver=QUIET)
+    keys = []
+    for saved in ([torch.ops.aten.addmm.default], [torch.ops.aten.addmm.default], [torch.ops.aten.relu.default]):
+        torch.manual_seed(0)
+        gm, example = _dynamo_graph(Checkpointed(saved), torch.randn(4, 8))
+        keys.append(graph_key(gm, GraphInputs.of(gm, example), mesh, config, "eager"))
+    assert keys[0] == keys[1] != keys[2]

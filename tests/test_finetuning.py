@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autopar
 from autopar.config import Config, SolverConfig
@@ -67,9 +68,10 @@ class CNN(nn.Module):
 
 
 # name -> (model builder, features): pad (padded batch), freeze (embeddings and query projections frozen),
-# ckpt / ackpt (gradient_checkpointing_enable / activation_checkpointing_enable), recipe (the sharded plan)
+# ckpt / ackpt (gradient_checkpointing_enable / activation_checkpointing_enable), sac (activation checkpointing with
+# a selective policy saving the matmuls' outputs), recipe (the sharded plan)
 CASES = {
-    "llama": ("llama", {"pad", "ackpt"}, "megatron"),
+    "llama": ("llama", {"pad", "sac"}, "megatron"),
     "qwen2": ("qwen2", {"pad", "freeze", "ckpt"}, "megatron"),  # tied embeddings, frozen
     "gpt_neox": ("gpt_neox", {"pad", "ckpt"}, "fsdp"),
     "opt": ("opt", {"pad", "freeze"}, "fsdp"),  # tied embeddings, frozen
@@ -112,6 +114,9 @@ def build(case: str):
             model.gradient_checkpointing_enable()
         if "ackpt" in features:
             model.activation_checkpointing_enable()
+        if "sac" in features:
+            policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+            model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": policy})
     positions = kind not in ("bert", "t5", "opt")
     return Finetune(model, positions), (ids, mask, labels), frozen
 
@@ -229,29 +234,43 @@ def test_trains_like_one_device(case):
     _, inputs, frozen = build(case)
     if frozen:  # no gradient collective carries a frozen weight
         assert not set(frozen) & set(got["reduced"]), set(frozen) & set(got["reduced"])
-    if CASES[case][1] & {"ckpt", "ackpt"}:
+    if CASES[case][1] & {"ckpt", "ackpt", "sac"}:
         assert got["recomputed"] > got["saved"], (got["recomputed"], got["saved"])
+    if "sac" in CASES[case][1]:  # the policy's saved matmuls are kept, the rest of each layer recomputed
+        assert {v["variant"] for v in plan.recompute.values()} == {"selective"}, plan.recompute
 
 
 @pytest.mark.slow
 def test_checkpointed_layers_are_recomputed_not_saved():
-    """gradient_checkpointing_enable(): the program saves each layer's input and recomputes the rest in backward;
-    the planner counts the smaller activation memory."""
+    """activation_checkpointing_enable(): the program saves each layer's input and recomputes the rest in backward;
+    with a selective policy (context_fn) it also saves the outputs of the ops the policy names; the planner counts
+    the smaller activation memory of each."""
+    import re
+
     from autopar.compiler import compile_plan
     from autopar.program import RankSpec
 
-    out = {}
-    for ckpt in (False, True):
+    out, mm = {}, {}
+    for ckpt in ("off", "full", "selective"):
         torch.manual_seed(0)
         model, args, _ = MODELS["llama"](batch=4, seq=16)
-        if ckpt:
+        if ckpt == "full":
             model.activation_checkpointing_enable()
+        if ckpt == "selective":
+            policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+            model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": policy})
         comp = compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs={"labels": args[0]},
-                            config=Config(solver=QUIET, template_layers=None))
+                            config=Config(solver=QUIET, template_layers=None, recompute="off"))
         prog = comp.program(RankSpec.fake(NAMES, SHAPE, (0, 1)))
         out[ckpt] = (len(prog.saved), len(prog.recomputed), comp.plan.memory_breakdown["activations"])
-    assert out[True][0] < out[False][0] / 2 and out[True][1] > out[False][1], out
-    assert out[True][2] < out[False][2] / 2, out
+        mm[ckpt] = [sum(bool(re.fullmatch(r"mm(_\d+)?", v)) for v in names) for names in (prog.saved, prog.recomputed)]
+        assert comp.plan.recompute["model.layers"]["variant"] == {"off": "keep"}.get(ckpt, ckpt)
+    assert out["full"][0] < out["off"][0] / 2 and out["full"][1] > out["off"][1], out
+    assert out["full"][2] < out["off"][2] / 2, out
+    # The matmuls full checkpointing recomputes (most of the 7 a layer) are saved by the policy instead.
+    assert mm["full"][1] >= 10 and mm["selective"] == [mm["full"][1], 0], mm
+    assert out["full"][0] < out["selective"][0] < out["off"][0] and out["selective"][1] > out["off"][1], out
+    assert out["full"][2] < out["selective"][2] < out["off"][2], out
 
 
 def test_a_mutated_input_is_refused():
