@@ -543,6 +543,7 @@ def test_a_graph_traced_without_grad_or_loss_says_why():
         GraphInputs.of(gm, example)
 
 
+@pytest.mark.slow  # Dynamo traces three graphs; make test-fast stays within its 3 minutes
 def test_the_plan_cache_tells_checkpoint_policies_apart():
     """A graph whose checkpointed region saves other ops under its selective policy gets another plan: the plan
     cache's key holds the policy (the same policy, made again, gives the same key)."""
