@@ -128,6 +128,27 @@ def checkpoint_regions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def saved_tensor_hooks_entered() -> Iterator[list[str]]:
+    """Inside: the names of the saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks` and its subclasses:
+    `save_on_cpu`, which transformers' `activation_checkpointing_enable(offload=True)` enters) that code enters,
+    appended to the yielded list. A traced step never runs them: the generated program saves its own tensors."""
+    import torch.autograd.graph as graph
+
+    seen: list[str] = []
+    enter = graph.saved_tensors_hooks.__enter__
+
+    def recording(self):
+        seen.append(type(self).__name__)
+        return enter(self)
+
+    graph.saved_tensors_hooks.__enter__ = recording
+    try:
+        yield seen
+    finally:
+        graph.saved_tensors_hooks.__enter__ = enter
+
+
+@contextlib.contextmanager
 def checkpoint_policy(context_fn: Callable[[], tuple] | None) -> Iterator[None]:
     """Inside a checkpointed region while it is traced: the forward context of the checkpoint's `context_fn`. For a
     selective policy (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that context, under tracing,

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import re
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -267,7 +268,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         kw = {k: _to_fake_input(v, mode) for k, v in kwargs.items()}
         try:
             with contextlib.ExitStack() as stack, mode, compat.annotate_modules(model), compat.compiling(), \
-                    compat.checkpoint_regions(), \
+                    compat.checkpoint_regions(), compat.saved_tensor_hooks_entered() as hooks, \
                     torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 joint = compat.export_joint(stack, wrapper, args, kw, decompositions=_decompositions(batch_norm_sums))
                 gm = joint.graph_module
@@ -275,6 +276,12 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
             raise
         except Exception as e:  # noqa: BLE001 - report where in the user's model tracing failed
             raise CaptureError.from_exception(e) from e
+    if hooks:
+        warnings.warn(f"the model enters saved-tensor hooks ({', '.join(sorted(set(hooks)))}; transformers' "
+                      "activation_checkpointing_enable(offload=True) enters save_on_cpu): autopar's generated step "
+                      "saves the tensors its backward reads itself and does not run them, so saved activations stay "
+                      "on the device, where the plan counts them; to save device memory, let the planner recompute "
+                      "(Config(recompute='auto'), the default) or checkpoint without offload", stacklevel=3)
     block_list = [Block(name, count=len(ml) - first, captured=min(len(ml) - first, template_layers or len(ml)),
                         first=first) for name, ml, first in blocks]
     _merge_tied(gm, _tie_groups(model))

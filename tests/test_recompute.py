@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import pytest
 import torch
@@ -348,6 +349,27 @@ def test_the_solver_recomputes_only_where_memory_binds():
                        match=r"smallest plan found with recomputation \(layers \w+\) needs 2.99 MiB "
                              r"\(largest consumers: "):
         _tiny_plan(3000)
+
+
+@pytest.mark.slow  # make test-fast stays within its 3 minutes
+def test_saved_tensor_hooks_the_step_does_not_run_are_named():
+    """Activation offloading by saved-tensor hooks (save_on_cpu, as transformers' activation_checkpointing_enable(
+    offload=True) enters it) does not run in the generated step: planning says so and what to use instead."""
+    class Offloaded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autograd.graph.save_on_cpu():
+                return self.fc2(self.fc1(x).relu()).sum()
+
+    mesh = autopar.fake_mesh(2, "dp", "cpu")
+    with pytest.warns(UserWarning, match=r"saved-tensor hooks \(save_on_cpu.*stay on the device.*recompute"):
+        autopar.plan(Offloaded(), mesh, (torch.randn(4, 8),), config=Config(solver=QUIET))
+    with warnings.catch_warnings():  # without hooks, no warning
+        warnings.simplefilter("error")
+        autopar.plan(Offloaded().fc1, mesh, (torch.randn(4, 8),), loss_fn=lambda y, *_: y.sum(), config=Config(solver=QUIET))
 
 
 @pytest.mark.slow
