@@ -163,8 +163,12 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     tu = SECONDS_PER_HIGHS_TIME_UNIT
     cost = [(c if i in prog.timed else c / tu) for i, c in enumerate(prog.cost)] if objective == "time" \
         else [0.0] * prog.n_cols
-    rows = [(lo, hi, {c: (v if c in prog.timed else v / tu) for c, v in r.items()} if prog.timed.intersection(r)
-             else dict(r)) for lo, hi, r in prog.rows]
+    rows = list(prog.rows)  # read, not changed: the rows below are new
+    for i, w in prog.timed_rows.items():  # a timed column's row: the others' coefficients are seconds
+        lo, hi, r = rows[i]
+        row = {c: v / tu for c, v in r.items()}
+        row[w] = r[w]
+        rows[i] = (lo, hi, row)
     peak_col = None
     if has_memory(prog):
         u = BYTES_PER_HIGHS_MEMORY_UNIT
@@ -226,10 +230,10 @@ def _model(prog: Program, objective: str) -> model_pb2.ModelProto:
     col_ids: list[int] = []
     values: list[float] = []
     for r, (_, _, coefs) in enumerate(rows):
-        cols = sorted(c for c, v in coefs.items() if v)
-        row_ids.extend([r] * len(cols))
-        col_ids.extend(cols)
-        values.extend([coefs[c] for c in cols])
+        entries = sorted(kv for kv in coefs.items() if kv[1])
+        row_ids.extend([r] * len(entries))
+        col_ids.extend([c for c, _ in entries])
+        values.extend([v for _, v in entries])
     mat = m.linear_constraint_matrix
     mat.row_ids.extend(row_ids)
     mat.column_ids.extend(col_ids)

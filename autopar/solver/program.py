@@ -31,6 +31,7 @@ class Program:
     n_edge_vars: int = 0
     links: dict[tuple[str, str], list[list[int]]] = dataclasses.field(default_factory=dict)  # y[s][r] columns
     timed: set[int] = dataclasses.field(default_factory=set)
+    timed_rows: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> the timed column it bounds
     # Transportation columns per (source key, destination key, their layout classes): edges alike share them
     # (a quiet axis's rows read the same pairs as the edge's price).
     pairs: dict[tuple, dict[tuple[int, int], dict[int, float]]] = dataclasses.field(default_factory=dict)
@@ -40,6 +41,13 @@ class Program:
         self.cost.append(cost)
         self.n_cols += 1
         return self.n_cols - 1
+
+    def columns(self, n: int) -> int:
+        """n continuous columns of no cost; the first one's index."""
+        self.integer.extend([False] * n)
+        self.cost.extend([0.0] * n)
+        self.n_cols += n
+        return self.n_cols - n
 
 
 def build_program(p: IlpProblem) -> Program:
@@ -102,6 +110,7 @@ def _edge(prog: Program, e: IlpEdge, shared: dict[tuple, int]) -> None:
             prog.timed.add(w)
             prog.n_edge_vars += 1
         row[w] = 1.0
+        prog.timed_rows[len(prog.rows)] = w
         prog.rows.append((0.0, float("inf"), row))
 
 
@@ -127,15 +136,22 @@ def _pair_indicators(prog: Program, e: IlpEdge) -> dict[tuple[int, int], dict[in
     key = (e.src, e.dst, tuple(e.src_index), tuple(e.dst_index), A, B)
     if key in prog.pairs:
         return prog.pairs[key]
-    y = [[prog.column() for _ in range(B)] for _ in range(A)]
+    first = prog.columns(A * B)
+    y = [list(range(first + a * B, first + (a + 1) * B)) for a in range(A)]
     prog.n_edge_vars += A * B
+    src: list[list[int]] = [[] for _ in range(A)]
+    for s, col in enumerate(xs):
+        src[e.src_index[s]].append(col)
+    dst: list[list[int]] = [[] for _ in range(B)]
+    for t, col in enumerate(xd):
+        dst[e.dst_index[t]].append(col)
     for a in range(A):
-        row = {y[a][b]: 1.0 for b in range(B)}
-        row.update({col: -1.0 for s, col in enumerate(xs) if e.src_index[s] == a})
+        row = dict.fromkeys(y[a], 1.0)
+        row.update(dict.fromkeys(src[a], -1.0))
         prog.rows.append((0.0, 0.0, row))
     for b in range(B):
         row = {y[a][b]: 1.0 for a in range(A)}
-        row.update({col: -1.0 for t, col in enumerate(xd) if e.dst_index[t] == b})
+        row.update(dict.fromkeys(dst[b], -1.0))
         prog.rows.append((0.0, 0.0, row))
     prog.pairs[key] = {(a, b): {y[a][b]: 1.0} for a in range(A) for b in range(B)}
     return prog.pairs[key]
