@@ -69,13 +69,15 @@ class CNN(nn.Module):
 
 # name -> (model builder, features): pad (padded batch), freeze (embeddings and query projections frozen),
 # ckpt / ackpt (gradient_checkpointing_enable / activation_checkpointing_enable), sac (activation checkpointing with
-# a selective policy saving the matmuls' outputs), recipe (the sharded plan)
+# a selective policy saving the matmuls' outputs), lora (PEFT's LoRA adapters on the query and value projections,
+# every other weight frozen), recipe (the sharded plan)
 CASES = {
     "llama": ("llama", {"pad", "sac"}, "megatron"),
     "qwen2": ("qwen2", {"pad", "freeze", "ckpt"}, "megatron"),  # tied embeddings, frozen
     "gpt_neox": ("gpt_neox", {"pad", "ckpt"}, "fsdp"),
     "opt": ("opt", {"pad", "freeze"}, "fsdp"),  # tied embeddings, frozen
     "phi3": ("phi3", {"pad", "ackpt"}, "fsdp"),
+    "llama_lora": ("llama", {"pad", "lora"}, "fsdp"),  # PEFT LoRA adapters on the attention: the base frozen
     "falcon": ("falcon", {"pad", "freeze"}, "fsdp"),
     "bert": ("bert", {"pad"}, "fsdp"),
     "t5": ("t5", {"pad"}, "fsdp"),
@@ -103,6 +105,12 @@ def build(case: str):
     ids = args[0]
     mask, labels = padded(ids, LENGTHS)
     frozen = []
+    if "lora" in features:  # as a LoRA fine-tuning script wraps the model (dropout off: masks differ from one device's)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0))
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if "freeze" in features:
         for n, p in model.named_parameters(remove_duplicate=False):
             if any(f in n for f in FROZEN):
