@@ -189,7 +189,8 @@ class Plan:
     # "selective" or "full", "by": "solver", "config" or "model" (the model checkpoints it itself), "time_s":
     # seconds per step the recomputation adds, "saved_bytes": activation bytes per rank it saves at the peak,
     # and "layers": r where only the stack's first r layers recompute in full, "others": "selective" where the
-    # rest recompute selectively}.
+    # rest recompute selectively, "model_layers": how many of its layers the model checkpoints itself where it
+    # checkpoints some only}.
     recompute: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -371,8 +372,10 @@ class Plan:
                                     "re-plan or restore the file") from e
 
     def recomputed_stacks(self) -> list[str]:
-        """The layer stacks whose activations backward recomputes (any variant but "keep")."""
-        return [p for p, d in sorted(self.recompute.items()) if d.get("variant", "keep") != "keep"]
+        """The layer stacks whose activations backward recomputes (any variant but "keep", or some layers the
+        model checkpoints itself)."""
+        return [p for p, d in sorted(self.recompute.items())
+                if d.get("variant", "keep") != "keep" or d.get("model_layers")]
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -100,6 +100,18 @@ def model_checkpointed_stacks(cap: Any) -> dict[str, str]:
     return out
 
 
+def model_checkpointed_layers(cap: Any) -> dict[str, list[int]]:
+    """Per layer stack, its captured layers (indices) whose every forward compute node the model checkpoints
+    itself: all of them for model_checkpointed_stacks, some where the model checkpoints every n-th layer
+    (transformers' activation_checkpointing_enable(every_n_layers=n))."""
+    layers: dict[str, dict[int, bool]] = {}
+    for n, (prefix, i) in cap.block_of.items():
+        if n.op == "call_function" and cap.phase.get(n) == "fwd":
+            mine = layers.setdefault(prefix, {})
+            mine[i] = mine.get(i, True) and n in cap.checkpointed
+    return {prefix: sorted(i for i, all_in in mine.items() if all_in) for prefix, mine in layers.items()}
+
+
 def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) -> set[fx.Node]:
     """Forward nodes of `cap` that backward recomputes under `variants` ({stack prefix: variant}), together with
     the model's own checkpointed regions (without them: model=False, to say what they save)."""

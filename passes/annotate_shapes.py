@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.context import Edge, PassContext
-from autopar.recompute import VARIANTS, join, model_checkpointed_stacks, recomputed_nodes, split
+from autopar.recompute import (VARIANTS, join, model_checkpointed_layers, model_checkpointed_stacks, recomputed_nodes,
+                               split)
 from autopar.rules.base import flat_tensor_args, op_info
 
 
@@ -265,12 +266,20 @@ def _view_base(node: fx.Node, ctx: PassContext) -> fx.Node:
 
 
 def layer_differences(ctx: PassContext) -> list[str]:
-    """Where the captured layers of a repeated stack differ: per stack, its first op that some captured layer
-    lacks or computes on other shapes (such ops are keyed per layer). Empty when every captured layer holds the
-    same ops under the same names, so a template of them stands for any number of such layers."""
+    """Where the captured layers of a repeated stack differ: per stack, the layers the model checkpoints where it
+    checkpoints some only, else its first op that some captured layer lacks or computes on other shapes (such
+    ops are keyed per layer). Empty when every captured layer holds the same ops under the same names and
+    checkpointing, so a template of them stands for any number of such layers."""
     cap = ctx.captured
     out = []
+    checkpointed = model_checkpointed_layers(cap)
     for b in cap.blocks:
+        mine = checkpointed.get(b.prefix, [])
+        if 0 < len(mine) < b.captured:  # a template's share of checkpointed layers need not be the model's
+            span = f"{b.prefix}.{b.first} to {b.prefix}.{b.first + b.captured - 1}"
+            where = ", ".join(f"{b.prefix}.{b.first + i}" for i in mine)
+            out.append(f"the model checkpoints {where} only, of {span}")
+            continue
         for key, nodes in ctx.members.items():
             if nodes[0].op != "call_function":
                 continue

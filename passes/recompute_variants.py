@@ -25,7 +25,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.passes.context import PassContext
-from autopar.recompute import VARIANTS, partial_variants, recomputed_nodes, split
+from autopar.recompute import VARIANTS, model_checkpointed_layers, partial_variants, recomputed_nodes, split
 
 SELECTOR = "recompute/"  # the selector key of a stack: SELECTOR + its prefix, one strategy per offered variant
 
@@ -165,24 +165,32 @@ def summary(ctx: PassContext) -> dict[str, dict]:
     """Per layer stack: its variant (and "layers": r for "full/r", the first r layers recomputed, with "others":
     "selective" for "full/r/selective"), who chose it ("solver", "config" or "model"), the seconds per step its
     recomputation adds under the chosen placements, and the activation bytes per rank it saves at the peak
-    (against keeping every activation, same placements)."""
+    (against keeping every activation, same placements). Where the model checkpoints some of a stack's layers
+    itself (every n-th: transformers' activation_checkpointing_enable(every_n_layers=n)), "model_layers" says
+    how many, and the time and bytes count their recomputation too."""
     from autopar.passes.memory_profile import _build
 
     out = {}
     share = fractions(ctx, ctx.recomputed)
+    blocks = {b.prefix: b for b in ctx.captured.blocks}
+    by_model = model_checkpointed_layers(ctx.captured)
     for prefix, variant in sorted(ctx.recompute.items()):
-        if variant == "keep":
+        mine = {n for n in ctx.recomputed if ctx.captured.block_of.get(n, ("",))[0] == prefix}
+        partial = by_model.get(prefix, []) if ctx.recompute_by[prefix] != "model" else []
+        if variant == "keep" and not (partial and mine):
             out[prefix] = {"variant": "keep", "by": ctx.recompute_by[prefix], "time_s": 0.0, "saved_bytes": 0}
             continue
-        mine = {n for n in ctx.recomputed if ctx.captured.block_of.get(n, ("",))[0] == prefix}
         t = sum(recompute_time(ctx, k, ctx.choice[k], share)
                 for k in {ctx.key[n] for n in mine if ctx.key[n] in ctx.choice})
         without = recomputed_nodes(ctx.captured, {p: v for p, v in ctx.recompute.items() if p != prefix},
-                                   model=ctx.recompute_by[prefix] != "model")
+                                   model=ctx.recompute_by[prefix] != "model" and not partial)
         saved = _build(ctx, without).peak(ctx.choice)[1] - memory_peak(ctx)
         kind, layers, others = split(variant)
         out[prefix] = {"variant": kind, "by": ctx.recompute_by[prefix],
                        "time_s": float(f"{ctx.microbatches * t:.6g}"), "saved_bytes": int(max(0.0, saved))}
+        if partial:
+            b = blocks[prefix]
+            out[prefix]["model_layers"] = round(len(partial) * b.count / b.captured)
         if layers is not None:
             out[prefix]["layers"] = layers
             if others != "keep":

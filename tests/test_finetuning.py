@@ -68,16 +68,16 @@ class CNN(nn.Module):
 
 
 # name -> (model builder, features): pad (padded batch), freeze (embeddings and query projections frozen),
-# ckpt / ackpt (gradient_checkpointing_enable / activation_checkpointing_enable), sac (activation checkpointing with
-# a selective policy saving the matmuls' outputs), lora (PEFT's LoRA adapters on the query and value projections,
-# every other weight frozen), recipe (the sharded plan)
+# ckpt / ackpt (gradient_checkpointing_enable / activation_checkpointing_enable), ackpt2 (every other layer), sac
+# (activation checkpointing with a selective policy saving the matmuls' outputs), lora (PEFT's LoRA adapters on the
+# query and value projections, every other weight frozen), recipe (the sharded plan)
 CASES = {
-    "llama": ("llama", {"pad", "sac"}, "megatron"),
+    # LoRA with selective checkpointing, as a LoRA fine-tuning script turns both on
+    "llama": ("llama", {"pad", "sac", "lora"}, "fsdp"),
     "qwen2": ("qwen2", {"pad", "freeze", "ckpt"}, "megatron"),  # tied embeddings, frozen
     "gpt_neox": ("gpt_neox", {"pad", "ckpt"}, "fsdp"),
     "opt": ("opt", {"pad", "freeze"}, "fsdp"),  # tied embeddings, frozen
-    "phi3": ("phi3", {"pad", "ackpt"}, "fsdp"),
-    "llama_lora": ("llama", {"pad", "lora"}, "fsdp"),  # PEFT LoRA adapters on the attention: the base frozen
+    "phi3": ("phi3", {"pad", "ackpt2"}, "fsdp"),
     "falcon": ("falcon", {"pad", "freeze"}, "fsdp"),
     "bert": ("bert", {"pad"}, "fsdp"),
     "t5": ("t5", {"pad"}, "fsdp"),
@@ -122,6 +122,8 @@ def build(case: str):
             model.gradient_checkpointing_enable()
         if "ackpt" in features:
             model.activation_checkpointing_enable()
+        if "ackpt2" in features:  # every other layer (the first of each pair) checkpointed
+            model.activation_checkpointing_enable(every_n_layers=2)
         if "sac" in features:
             policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
             model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": policy})
@@ -244,6 +246,9 @@ def test_trains_like_one_device(case):
         assert not set(frozen) & set(got["reduced"]), set(frozen) & set(got["reduced"])
     if CASES[case][1] & {"ckpt", "ackpt", "sac"}:
         assert got["recomputed"] > got["saved"], (got["recomputed"], got["saved"])
+    if "ackpt2" in CASES[case][1]:  # the first of the two layers recomputed, the other keeping its activations
+        assert [d.get("model_layers") for d in plan.recompute.values()] == [1], plan.recompute
+        assert got["recomputed"] > 0, got["recomputed"]
     if "sac" in CASES[case][1]:  # the policy's saved matmuls are kept, the rest of each layer recomputed
         assert {v["variant"] for v in plan.recompute.values()} == {"selective"}, plan.recompute
 

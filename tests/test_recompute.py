@@ -369,7 +369,29 @@ def test_saved_tensor_hooks_the_step_does_not_run_are_named():
         autopar.plan(Offloaded(), mesh, (torch.randn(4, 8),), config=Config(solver=QUIET))
     with warnings.catch_warnings():  # without hooks, no warning
         warnings.simplefilter("error")
-        autopar.plan(Offloaded().fc1, mesh, (torch.randn(4, 8),), loss_fn=lambda y, *_: y.sum(), config=Config(solver=QUIET))
+        autopar.plan(Offloaded().fc1, mesh, (torch.randn(4, 8),), loss_fn=lambda y, *_: y.sum(),
+                     config=Config(solver=QUIET))
+
+
+@pytest.mark.slow
+def test_a_model_checkpointing_every_other_layer_is_planned_whole_and_reported():
+    """transformers' activation_checkpointing_enable(every_n_layers=2): a template of two captured layers would
+    stand for the wrong share of checkpointed layers, so the whole model is captured (with a warning); the plan
+    counts the model's recomputation and says how many layers the model checkpoints."""
+    from autopar.testing.hf_models import MODELS
+
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS["llama"](batch=4, seq=16, num_hidden_layers=4)
+    model.activation_checkpointing_enable(every_n_layers=2)
+    with pytest.warns(UserWarning, match=r"template layers differ \(the model checkpoints model\.layers\.0 only, "
+                                         r"of model\.layers\.0 to model\.layers\.1\)"):
+        plan = autopar.plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
+                            config=Config(solver=QUIET, recompute="off", template_layers=2))
+    rc = plan.recompute["model.layers"]
+    assert (rc["variant"], rc["by"], rc["model_layers"]) == ("keep", "config", 2), rc
+    assert rc["time_s"] > 0 and rc["saved_bytes"] > 0, rc
+    assert "ac" in plan.techniques and plan.recomputed_stacks() == ["model.layers"]
+    assert "keep, 2 of 4 layers checkpointed by the model" in plan.summary(), plan.summary()
 
 
 @pytest.mark.slow

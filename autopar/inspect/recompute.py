@@ -14,11 +14,14 @@ _BY = {"solver": "chosen by the solver", "config": "set by Config.recompute",
 
 def _variant(plan: Any, d: dict) -> str:
     """'full' or, where only the first r layers recompute in full, 'full on the first 16 of 32 layers' (and
-    ', selective on the others')."""
+    ', selective on the others'); where the model checkpoints some layers itself, ', 16 of 32 layers
+    checkpointed by the model' after it."""
+    model = f", {d['model_layers']} of {d.get('of') or '?'} layers checkpointed by the model" \
+        if d.get("model_layers") else ""
     if d.get("layers") is None:
-        return d["variant"]
+        return d["variant"] + model
     rest = ", selective on the others" if d.get("others") == "selective" else ""
-    return f"{d['variant']} on the first {d['layers']} of {d.get('of') or '?'} layers{rest}"
+    return f"{d['variant']} on the first {d['layers']} of {d.get('of') or '?'} layers{rest}{model}"
 
 
 def recompute_line(plan: Any) -> str:
@@ -42,7 +45,10 @@ def explain_stack(plan: Any, prefix: str) -> str:
         lines[-1] = (f"  recomputation: full on the first {d['layers']} of the {plan.blocks.get(prefix, '?')} "
                      f"layers (each recomputed from its input), {_BY.get(d.get('by'), d.get('by'))}")
         lines.append(f"  the other layers: {rest}")
-    if d["variant"] != "keep":
+    if d.get("model_layers"):
+        lines.append(f"  the model checkpoints {d['model_layers']} of the layers itself: they are recomputed in "
+                     "backward whatever the plan says")
+    if d["variant"] != "keep" or d.get("model_layers"):
         lines.append(f"  time added: {fmt_time(d.get('time_s', 0.0))} per step (the recomputed forward ops on "
                      "their local shapes)")
         lines.append(f"  memory saved: {fmt_bytes(d.get('saved_bytes', 0))} per rank at the peak")
@@ -63,4 +69,4 @@ def node_note(plan: Any, key: str) -> str | None:
 
 def _stacks(plan: Any) -> list[str]:
     rc = getattr(plan, "recompute", None) or {}
-    return [p for p, d in sorted(rc.items()) if d.get("variant", "keep") != "keep"]
+    return [p for p, d in sorted(rc.items()) if d.get("variant", "keep") != "keep" or d.get("model_layers")]

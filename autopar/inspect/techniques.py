@@ -126,7 +126,8 @@ def techniques(plan: Any) -> frozenset[str]:
         found.add("ep")
     if fp8_nodes(plan):
         found.add("fp8")
-    if any(d.get("variant", "keep") != "keep" for d in (getattr(plan, "recompute", None) or {}).values()):
+    if any(d.get("variant", "keep") != "keep" or d.get("model_layers")
+           for d in (getattr(plan, "recompute", None) or {}).values()):
         found.add("ac")
     return frozenset(found)
 
