@@ -104,7 +104,10 @@ class GraphInputs:
                              "module (e.g. call it with labels=...) and call it with grad enabled. This graph was "
                              "traced without grad: under torch.no_grad(), or inside a region Dynamo ran eagerly "
                              "(a checkpointed layer with a graph break inside: print, .item(), a data-dependent "
-                             "branch); torch._dynamo.explain(model)(*inputs) lists the graph breaks, and "
+                             "branch, or activation offloading: Dynamo does not trace save_on_cpu, which transformers' "
+                             "activation_checkpointing_enable(offload=True) enters; autopar keeps saved activations "
+                             "on the device in any case); torch._dynamo.explain(model)(*inputs) lists the graph "
+                             "breaks, and "
                              "autopar.parallelize captures the model without Dynamo")
         return cls(root, params, buffers, positions, tuple(example[i] for i in positions), loss, len(values),
                    len(example), forward_only, crossing=crossing)

@@ -539,7 +539,7 @@ def test_a_graph_traced_without_grad_or_loss_says_why():
 
     with torch.no_grad():
         gm, example = _dynamo_graph(nn.Linear(8, 8), torch.randn(2, 8))
-    with pytest.raises(ValueError, match=r"traced without grad.*explain.*autopar\.parallelize"):
+    with pytest.raises(ValueError, match=r"traced without grad.*offload=True.*explain.*autopar\.parallelize"):
         GraphInputs.of(gm, example)
 
 
