@@ -374,6 +374,36 @@ def test_saved_tensor_hooks_the_step_does_not_run_are_named():
 
 
 @pytest.mark.slow
+def test_a_selective_policy_of_torchtitans_kind_saves_the_ops_it_names():
+    """Layers wrapped as torchtitan wraps them for selective activation checkpointing (checkpoint_wrapper with a
+    policy function saving matmuls and attention): those outputs are saved, the rest recomputed, and the plan
+    records the stack as selective, by the model."""
+    import re
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved_ops = (torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    model = Llama(LLAMA_TINY)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer, context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                                                  policy), preserve_rng_state=False)
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    comp = compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), (tokens,), loss_fn=cross_entropy_loss,
+                        config=Config(solver=QUIET, recompute="off"), template_layers=None)
+    assert comp.plan.recompute["layers"]["variant"] == "selective" and comp.plan.recompute["layers"]["by"] == "model"
+    prog = comp.program(RankSpec.fake(NAMES, SHAPE, (0, 1)))
+    assert len(prog.recomputed) > len(prog.saved), (len(prog.recomputed), len(prog.saved))
+    assert any(v.startswith("add") for v in prog.recomputed), prog.recomputed  # the norms' and residuals' ops
+    assert not [v for v in prog.recomputed if re.fullmatch(r"(mm|_scaled_dot_product\w*)(_\d+)?", v)], prog.recomputed
+
+
+@pytest.mark.slow
 def test_a_model_checkpointing_every_other_layer_is_planned_whole_and_reported():
     """transformers' activation_checkpointing_enable(every_n_layers=2): a template of two captured layers would
     stand for the wrong share of checkpointed layers, so the whole model is captured (with a warning); the plan
