@@ -253,8 +253,10 @@ def _policy_key(fn: Any) -> str:
     if isinstance(fn, (list, tuple)):
         return f"[{', '.join(map(_policy_key, fn))}]"
     code = getattr(fn, "__code__", None)
-    if code is not None:
-        return f"{fn.__module__}.{fn.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()[:16]}"
+    if code is not None:  # its bytecode, the names it reads and its constants (nested code by its own bytecode)
+        consts = [c.co_code if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
+        body = repr((code.co_code, code.co_names, consts)).encode()
+        return f"{fn.__module__}.{fn.__qualname__}:{hashlib.sha256(body).hexdigest()[:16]}"
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(fn))
 
 

@@ -546,10 +546,11 @@ def test_a_graph_traced_without_grad_or_loss_says_why():
 @pytest.mark.slow  # Dynamo traces three graphs; make test-fast stays within its 3 minutes
 def test_the_plan_cache_tells_checkpoint_policies_apart():
     """A graph whose checkpointed region saves other ops under its selective policy gets another plan: the plan
-    cache's key holds the policy (the same policy, made again, gives the same key)."""
+    cache's key holds the policy, a list of ops or a policy function (the same policy, made again, gives the
+    same key)."""
     import functools
 
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     from autopar.dynamo_graph import GraphInputs, graph_key
 
@@ -559,14 +560,21 @@ def test_the_plan_cache_tells_checkpoint_policies_apart():
             self.fc1, self.fc2, self.saved = nn.Linear(8, 8), nn.Linear(8, 8), saved
 
         def forward(self, x):
-            policy = functools.partial(create_selective_checkpoint_contexts, list(self.saved))
+            policy = functools.partial(create_selective_checkpoint_contexts, self.saved)
             return checkpoint(lambda y: self.fc2(self.fc1(y).relu()), x, use_reentrant=False,
                               context_fn=policy).sum()
 
     mesh, config = autopar.fake_mesh(2, "dp", "cpu"), autopar.Config(solver=QUIET)
+    def saves_addmm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def saves_relu(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.relu.default else CheckpointPolicy.PREFER_RECOMPUTE
+
     keys = []
-    for saved in ([torch.ops.aten.addmm.default], [torch.ops.aten.addmm.default], [torch.ops.aten.relu.default]):
+    for saved in ([torch.ops.aten.addmm.default], [torch.ops.aten.addmm.default], [torch.ops.aten.relu.default],
+                  saves_addmm, saves_relu):
         torch.manual_seed(0)
         gm, example = _dynamo_graph(Checkpointed(saved), torch.randn(4, 8))
         keys.append(graph_key(gm, GraphInputs.of(gm, example), mesh, config, "eager"))
-    assert keys[0] == keys[1] != keys[2]
+    assert keys[0] == keys[1] and len(set(keys[1:])) == 4, keys
