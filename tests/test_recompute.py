@@ -397,6 +397,7 @@ def test_a_selective_policy_of_torchtitans_kind_saves_the_ops_it_names():
     comp = compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), (tokens,), loss_fn=cross_entropy_loss,
                         config=Config(solver=QUIET, recompute="off"), template_layers=None)
     assert comp.plan.recompute["layers"]["variant"] == "selective" and comp.plan.recompute["layers"]["by"] == "model"
+    assert "the model's checkpoint policy saves" in comp.plan.explain("layers"), comp.plan.explain("layers")
     prog = comp.program(RankSpec.fake(NAMES, SHAPE, (0, 1)))
     assert len(prog.recomputed) > len(prog.saved), (len(prog.recomputed), len(prog.saved))
     assert any(v.startswith("add") for v in prog.recomputed), prog.recomputed  # the norms' and residuals' ops

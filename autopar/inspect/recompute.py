@@ -38,8 +38,11 @@ def recompute_line(plan: Any) -> str:
 
 def explain_stack(plan: Any, prefix: str) -> str:
     d = plan.recompute[prefix]
+    what = _WHAT.get(d["variant"], d["variant"])
+    if d.get("by") == "model" and d["variant"] == "selective":  # the model's own policy, not autopar's variant
+        what = "selective (the outputs the model's checkpoint policy saves are kept, the rest recomputed)"
     lines = [f"layer stack {prefix} ({plan.blocks.get(prefix, '?')} layers)",
-             f"  recomputation: {_WHAT.get(d['variant'], d['variant'])}, {_BY.get(d.get('by'), d.get('by'))}"]
+             f"  recomputation: {what}, {_BY.get(d.get('by'), d.get('by'))}"]
     if d.get("layers") is not None:
         rest = _WHAT[d.get("others", "keep")]
         lines[-1] = (f"  recomputation: full on the first {d['layers']} of the {plan.blocks.get(prefix, '?')} "
