@@ -88,28 +88,30 @@ def kept_by_selective(node: fx.Node) -> bool:
     return getattr(node.target, "overloadpacket", None) in _KEPT_BY_SELECTIVE
 
 
+def _model_checkpointing(cap: Any) -> dict[str, dict[int, tuple[bool, bool]]]:
+    """Per layer stack, per captured layer with forward compute nodes: (whether the model checkpoints every one of
+    them itself, whether a selective checkpoint policy saves any)."""
+    out: dict[str, dict[int, tuple[bool, bool]]] = {}
+    for n, (prefix, i) in cap.block_of.items():
+        if n.op == "call_function" and cap.phase.get(n) == "fwd":
+            every, saves = out.setdefault(prefix, {}).get(i, (True, False))
+            out[prefix][i] = (every and n in cap.checkpointed, saves or compat.checkpoint_saves(n))
+    return out
+
+
 def model_checkpointed_stacks(cap: Any) -> dict[str, str]:
     """Layer stacks whose every forward compute node the model checkpoints itself, and the variant that is:
     "full", or "selective" where a selective checkpoint policy saves some of their ops."""
-    out = {}
-    for b in cap.blocks:
-        fwd = [n for n, (p, _) in cap.block_of.items() if p == b.prefix and n.op == "call_function"
-               and cap.phase.get(n) == "fwd"]
-        if fwd and all(n in cap.checkpointed for n in fwd):
-            out[b.prefix] = "selective" if any(compat.checkpoint_saves(n) for n in fwd) else "full"
-    return out
+    return {prefix: "selective" if any(saves for _, saves in layers.values()) else "full"
+            for prefix, layers in _model_checkpointing(cap).items() if all(every for every, _ in layers.values())}
 
 
 def model_checkpointed_layers(cap: Any) -> dict[str, list[int]]:
     """Per layer stack, its captured layers (indices) whose every forward compute node the model checkpoints
     itself: all of them for model_checkpointed_stacks, some where the model checkpoints every n-th layer
     (transformers' activation_checkpointing_enable(every_n_layers=n))."""
-    layers: dict[str, dict[int, bool]] = {}
-    for n, (prefix, i) in cap.block_of.items():
-        if n.op == "call_function" and cap.phase.get(n) == "fwd":
-            mine = layers.setdefault(prefix, {})
-            mine[i] = mine.get(i, True) and n in cap.checkpointed
-    return {prefix: sorted(i for i, all_in in mine.items() if all_in) for prefix, mine in layers.items()}
+    return {prefix: sorted(i for i, (every, _) in layers.items() if every)
+            for prefix, layers in _model_checkpointing(cap).items()}
 
 
 def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) -> set[fx.Node]:
