@@ -543,7 +543,7 @@ def test_a_graph_traced_without_grad_or_loss_says_why():
         GraphInputs.of(gm, example)
 
 
-@pytest.mark.slow  # Dynamo traces three graphs; make test-fast stays within its 3 minutes
+@pytest.mark.slow  # Dynamo traces five graphs; make test-fast stays within its 3 minutes
 def test_the_plan_cache_tells_checkpoint_policies_apart():
     """A graph whose checkpointed region saves other ops under its selective policy gets another plan: the plan
     cache's key holds the policy, a list of ops or a policy function (the same policy, made again, gives the
@@ -565,6 +565,7 @@ def test_the_plan_cache_tells_checkpoint_policies_apart():
                               context_fn=policy).sum()
 
     mesh, config = autopar.fake_mesh(2, "dp", "cpu"), autopar.Config(solver=QUIET)
+
     def saves_addmm(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
