@@ -72,6 +72,7 @@ def simulate(ctx: PassContext) -> Simulation:
     rerun: set[fx.Node] = set()
     gathers = _param_gathers(ctx)
     gathered: dict[tuple[int, str], list[float]] = {}  # (group, phase) -> when each member is there
+    alone = None  # the gradient redistributed by itself in flight: (its redistribution, first step's end, ...)
 
     def gather(idx: int, phase: str, start: float, blocking: bool = True) -> list[float]:
         """Issue group `idx` of parameter gathers (a bucket of one layer's all-gathers, or one gather on its own)
@@ -100,7 +101,9 @@ def simulate(ctx: PassContext) -> Simulation:
                 done = max(done, moved[key])
         return done
 
-    def comm(shape, dtype, src, dst, start, scale, label, bucketed=False, blocking=True):
+    def comm(shape, dtype, src, dst, start, scale, label, bucketed=False, blocking=True, part=None):
+        """Schedule a redistribution's collectives from `start`: when the last ends. `part` "first" or "rest":
+        its first collective only, or the others."""
         nonlocal total_comm
         flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)) if bucketed else None
         if flat is not None:  # one collective over the axes' flattened group: it holds all their links
@@ -118,8 +121,11 @@ def simulate(ctx: PassContext) -> Simulation:
                 timeline.append((f"comm:{names}", label, begin, begin + c))
             return begin + c
         t = start
-        for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed):
-            if not st.is_comm or c == 0:
+        steps = [(st, c) for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed)
+                 if st.is_comm]
+        steps = steps[:1] if part == "first" else steps[1:] if part == "rest" else steps
+        for st, c in steps:
+            if c == 0:
                 continue
             c *= scale
             ax = mesh.axis_names[st.axis]
@@ -210,7 +216,19 @@ def simulate(ctx: PassContext) -> Simulation:
             if m > 1:  # reduced once per step, after the last microbatch (codegen's grad_sync graph)
                 deferred.append((grad, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}"))
                 continue
-            comm(*grad, compute_free, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}", bucketed=True)
+            gscale = _scale(ctx, cap.params[fqn])[1]
+            if grad_reduction(ctx, grad[2], grad[3], cap.params[fqn])[0] != ALONE:
+                comm(*grad, compute_free, gscale, f"grad {fqn}", bucketed=True)
+                continue
+            # Redistributed by itself (codegen.partition): the previous such gradient's collectives are waited
+            # on, the rest of them issued and waited on, before this one's first is issued.
+            if alone is not None:
+                compute_free = max(compute_free, comm(*alone[0], max(alone[1], compute_free), alone[2],
+                                                      alone[3], bucketed=True, part="rest"), alone[1])
+            alone = (grad, comm(*grad, compute_free, gscale, f"grad {fqn}", bucketed=True, part="first"),
+                     gscale, f"grad {fqn}")
+    if alone is not None:  # the last one's other collectives, issued at the end of the backward
+        comm(*alone[0], max(alone[1], compute_free), alone[2], alone[3], bucketed=True, part="rest")
     opt = _optimizer_time(ctx)
     step = max([compute_free] + axis_free) + opt
     if m > 1:
@@ -437,8 +455,9 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
     last of them exists, and while it is written both copies live; buckets filled as codegen fills them, per
     kind of reduction, the last parameters' gradients first, 1 MiB for the first bucket, 25 MiB for the others;
     a reduce-scatter bucket's gradients are larger than the shards they become, and its input lives until it is
-    waited on, before the next bucket is written), and the produced gradients redistributed one by one (issued
-    as soon as they exist and waited for at the end, so their inputs live until then). Where the memory profile
+    waited on, before the next bucket is written), or the largest of the produced gradients redistributed one
+    by one (a 2-D sharded parameter's: issued as soon as it exists, its collectives done before the next such
+    gradient or reduce-scatter bucket is issued, codegen.partition; alone_held). Where the memory profile
     counts the reduced gradients from where they are produced (passes/memory_profile.py), that is what the
     bucket holds beyond them."""
     from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
@@ -448,7 +467,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         return 0.0
     produced = produced_gradients(ctx)
     kinds: dict[tuple, list[tuple[float, float]]] = {}
-    alone = 0.0
+    alone = 0.0  # the largest gradient in flight by itself
     # Gradients appear last layer first; a captured layer standing for several repeats as a whole, in order.
     runs: list[tuple[str, int, list[tuple]]] = []  # (layer, count, [(kind, (size, held))])
     for fqn in reversed(list(ctx.captured.grads)):
@@ -457,7 +476,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
         kind, size, count = grad_reduction(ctx, src, dst, pnode)
         if kind == ALONE:
-            alone += size * count
+            alone = max(alone, alone_held(ctx, size, dst, pnode) if produced else 2 * size)
         elif kind is not None:
             layer = ctx.captured.layer_of(fqn)
             if not (layer and runs and runs[-1][0] == layer and runs[-1][1] == count):
@@ -478,13 +497,21 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
             total += size
             held += extra
             largest = max(largest, held)
-    return largest + alone
+    return max(largest, alone)
 
 
 def bucket_held(ctx: PassContext, kind: tuple, size: float, dst: tuple, pnode: fx.Node) -> float:
     """What one gradient of `size` produced bytes takes in its bucket beyond its reduced gradient (in its
     parameter's layout `dst`): its copy, and for a reduce-scatter its produced size beyond its shard too."""
     return 2 * size - reduced_bytes(ctx, dst, pnode) if kind[0] == "reduce_scatter" else size
+
+
+def alone_held(ctx: PassContext, size: float, dst: tuple, pnode: fx.Node) -> float:
+    """What a gradient of `size` produced bytes redistributed by itself takes beyond its reduced gradient (in
+    its parameter's layout `dst`) while its collectives run: itself, and a buffer as large as the larger of it
+    and its result (a contiguous copy for a reduce-scatter, a step's output)."""
+    reduced = reduced_bytes(ctx, dst, pnode)
+    return size + max(size, reduced) - reduced
 
 
 def reduced_bytes(ctx: PassContext, dst: tuple, pnode: fx.Node) -> float:

@@ -239,10 +239,10 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
     """The gradient buckets (simulate_step.grad_bucket_bytes) as the program's buffers, where each kind of
     reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, what
     each gradient takes in its bucket on the (producer layout, parameter layout) pairs reduced that way, and on
-    every kind's list the gradients reduced alone. Elsewhere none: the program sets aside _reserve instead.
+    its own list each gradient reduced alone (one is in flight at a time). Elsewhere none: the program sets aside _reserve instead.
     With `bound` (one microbatch, no pipeline), the same buffers however many buckets a kind fills: an upper
     bound on the largest bucket (the search for the least peak uses it). Built once."""
-    from autopar.passes.simulate_step import ALONE, bucket_held, grad_reduction, grads_in_one_bucket
+    from autopar.passes.simulate_step import ALONE, alone_held, bucket_held, grad_reduction, grads_in_one_bucket
 
     when = (ctx.microbatches, ctx.pipeline is None, bound)
     if ctx.grad_buffers is not None and when in ctx.grad_buffers:
@@ -268,14 +268,16 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
         for a, la in enumerate(a_lays):
             for b, lb in enumerate(b_lays):
                 kind, size, count = grad_reduction(ctx, la, lb, pnode)
-                if kind is not None and kind != ALONE:  # beyond the reduced gradient the rows' terms count
-                    size = bucket_held(ctx, kind, size, lb, pnode)
-                if kind is not None:
-                    mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = size * count
+                if kind == ALONE:  # beyond the reduced gradient the rows' terms count; one in flight
+                    mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = alone_held(
+                        ctx, size, lb, pnode)
+                elif kind is not None:
+                    mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = bucket_held(
+                        ctx, kind, size, lb, pnode) * count
         for kind, m in mats.items():
             e = IlpEdge(src, dst, a_idx, b_idx, m.tolist())
             (alone if kind == ALONE else kinds.setdefault(kind, [])).append(e)
-    ctx.grad_buffers[when] = [edges + alone for edges in kinds.values()] or ([alone] if alone else [])
+    ctx.grad_buffers[when] = list(kinds.values()) + [[e] for e in alone]
     return ctx.grad_buffers[when]
 
 

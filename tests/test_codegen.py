@@ -16,6 +16,7 @@ from autopar.codegen import CodegenError, RankSpec, collectives, generate
 from autopar.compiler import compile_plan
 from autopar.redistribute import plan_steps
 from autopar.codegen.collectives import checked_steps, collective_kind, steps_valid
+from autopar.codegen.grad_sync import ALONE_GRAD
 from autopar.config import Config, SolverConfig
 from autopar.layout import local_shape
 from autopar.models.llama import LLAMA3_8B, LLAMA_SMALL, LLAMA_TINY, Llama, cross_entropy_loss
@@ -81,6 +82,52 @@ def test_data_parallel_reduces_gradients_in_buckets():
     # fc1's bias, then fc1's weight).
     assert bwd == [("all_reduce", "dp")] * 3, prog.code()
 
+
+
+class _Deep(nn.Module):
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = F.silu(layer(x))
+        return x
+
+
+def test_gradients_reduced_alone_are_in_flight_one_at_a_time():
+    """Weights sharded over both axes of a 2x2 mesh, the batch over both: each gradient is reduce-scattered over
+    one axis, then the other, by itself (not in a bucket). Issued as soon as it exists, each holds its full-size
+    input until waited on: the next such gradient is issued only once the previous one's collectives are done,
+    so one is in flight at a time (as FSDP's reduce-scatters), not every gradient at full size."""
+    with torch.device("meta"):
+        model = _Deep(64, 4)
+    inputs = (torch.zeros(8192, 64), torch.zeros(8192, 64))
+    mesh = autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu")
+    rank = RankSpec.fake(("dp", "tp"), (2, 2), (1, 0))
+    plan, _, prog = program(model, inputs, mse, mesh, rank, pins={"*": (Shard(0), Shard(1))},
+                            input_placements={0: (Shard(0), Shard(0)), 1: (Shard(0), Shard(0))})
+    bwd = list(prog.backward.graph.nodes)
+    chains: dict[str, list] = {}
+    for n in bwd:
+        if n.meta.get(ALONE_GRAD) is not None and collective_kind(n) is not None:
+            chains.setdefault(n.meta[ALONE_GRAD], []).append(n)
+    # (The first layer's may be reduced before its transpose, by the backward itself rather than after it.)
+    assert len(chains) >= 3 and all([collective_kind(n) for n in c] == ["reduce_scatter"] * 2
+                                    for c in chains.values()), prog.code()
+    open_, most = set(), 0
+    for n in bwd:
+        if n.meta.get(ALONE_GRAD) is not None and collective_kind(n) is not None:
+            open_.add(n)
+            most = max(most, len(open_))
+        elif n.op == "call_function" and n.args and n.args[0] in open_ and "wait" in str(n.target):
+            open_.discard(n.args[0])
+    assert most == 1, prog.code()
+    # Each gradient's second step is issued once its first is done, before the next gradient's first.
+    order = {n: i for i, n in enumerate(bwd)}
+    firsts = sorted(chains.values(), key=lambda c: order[c[0]])
+    for a, b in zip(firsts, firsts[1:]):
+        assert order[a[1]] < order[b[0]]
 
 
 def test_buckets_reduce_in_place_and_no_op_nodes_are_gone():

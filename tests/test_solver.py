@@ -140,7 +140,9 @@ def test_solves_beside_each_other_or_in_turn_give_the_same_plan(stack_free, monk
         monkeypatch.setattr(bounded.os, "cpu_count", lambda: cores)
         calls.clear()
         plans[cores] = (_plan_stack(limit).to_json(timings=False), sorted(calls))
-    assert plans[2][1] == [0.0, 2.0], plans[2][1]  # both ran beside the caller
+    # Both ran beside the caller, in each solve (a plan over the limit with its own gradient buffers is solved
+    # for again).
+    assert plans[2][1] and plans[2][1] == sorted([0.0, 2.0] * (len(plans[2][1]) // 2)), plans[2][1]
     assert plans[1][0] == plans[2][0] and "\"memory_binds\": true" in plans[1][0]
 
 

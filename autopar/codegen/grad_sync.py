@@ -16,6 +16,11 @@ from autopar.codegen.collectives import bucketed_all_reduce, bucketed_reduce_sca
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
+# Node meta of the nodes redistributing one gradient by itself (not in a bucket): the parameter's FQN.
+# codegen.partition issues such a gradient's collectives once the previous one's are done, as it does
+# reduce-scatter buckets, so one gradient's full-size input is in flight, not every such gradient's.
+ALONE_GRAD = "autopar_alone_grad"
+
 
 def sync_grads(low: Any, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
     """Each gradient (`local`: fqn -> its local value in the layout it is produced in) brought to its
@@ -33,8 +38,12 @@ def sync_grads(low: Any, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
             key = (steps[0].kind, axes, value.meta["val"].dtype)
             buckets.setdefault(key, []).append((fqn, value, steps[0].dim))
         else:
+            before = set(low.b.graph.nodes)
             grads[fqn] = low._redistribute(value, low.layout_of(g), low.layout_of(pnode), "bwd",
                                            f"the gradient of {fqn}")
+            for n in low.b.graph.nodes:
+                if n not in before:
+                    n.meta[ALONE_GRAD] = fqn
     for (kind, axis, _), items in buckets.items():
         # Gradients appear last layer first: fill buckets in that order so the first can start early.
         if kind == "all_reduce":
@@ -69,4 +78,4 @@ def bucketed(steps) -> tuple[int, ...] | int | None:
     return None
 
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]
+__all__ = ["ALONE_GRAD", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]

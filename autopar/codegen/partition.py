@@ -17,6 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar.codegen.grad_sync import ALONE_GRAD
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
 from autopar.codegen.schedule import issue_input_collectives_early, simplify
 from autopar.recompute import random
@@ -179,22 +180,39 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
     # Gradient synchronization (the collectives taking each gradient to its parameter's layout) is issued
     # as soon as the gradient exists and waited on at the end, so it overlaps the rest of the backward. A
     # reduce-scatter bucket holds its full-size input until it is waited on, so it is waited on before the next
-    # bucket is filled (as FSDP does): one bucket's input in flight, not every gradient at full size.
+    # bucket is filled (as FSDP does): one bucket's input in flight, not every gradient at full size. A gradient
+    # redistributed by itself (ALONE_GRAD: a 2-D sharded parameter's, reduce-scattered over one axis, then the
+    # other) holds its input likewise: its steps run to the end before the next such gradient or bucket is
+    # issued, and that one waits for them.
     sync = [n for n in joint.gm.graph.nodes if n in live_bwd and n.meta.get(GRAD_SYNC)]
     scatter_input = {n.args[0]: [u for u in n.users if _is_wait(u)] for n in sync if _is_bucket_scatter(n)}
+    chain_end: dict[str, fx.Node] = {}  # fqn -> the last node of its gradient's redistribution
+    for n in sync:
+        if n.meta.get(ALONE_GRAD) is not None:
+            chain_end[n.meta[ALONE_GRAD]] = n
+    started: set[str] = set()
     in_flight: list[fx.Node] = []
+
+    def rotate(then: list[fx.Node]) -> None:
+        for w in in_flight:
+            emit(w)
+        in_flight[:] = then
 
     def issue_ready() -> None:
         progress = True
         while progress:
             progress = False
             for n in list(sync):
+                if n in env:  # emitted with a gradient redistributed by itself
+                    sync.remove(n)
+                    continue
                 if _is_wait(n) or not all(a in env for a in n.all_input_nodes):
                     continue
                 if n in scatter_input:
-                    for w in in_flight:
-                        emit(w)
-                    in_flight[:] = scatter_input[n]
+                    rotate(scatter_input[n])
+                elif n.meta.get(ALONE_GRAD) is not None and n.meta[ALONE_GRAD] not in started:
+                    started.add(n.meta[ALONE_GRAD])  # the first node of its chain
+                    rotate([chain_end[n.meta[ALONE_GRAD]]])
                 emit(n)
                 sync.remove(n)
                 progress = True
