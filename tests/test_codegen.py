@@ -128,6 +128,17 @@ def test_gradients_reduced_alone_are_in_flight_one_at_a_time():
     firsts = sorted(chains.values(), key=lambda c: order[c[0]])
     for a, b in zip(firsts, firsts[1:]):
         assert order[a[1]] < order[b[0]]
+    # The memory the plan reports holds one such gradient beyond its shard: its full-size partial sum (64 x 64
+    # fp32, 16 KiB) and a buffer as large (the contiguous copy the scatter over dim 1 reads), less the 4 KiB shard
+    # the profile counts; not every gradient at full size to the end of the backward.
+    assert plan.memory_breakdown["grad_buckets"] == 2 * 16384 - 4096
+    # The step's timeline runs them the same way: where the next gradient exists, the compute waits for the
+    # previous one's first collective (over tp), its second (over dp) runs, and the next one's first starts
+    # when it ends (rather than each gradient's collectives back to back from where it exists).
+    steps = {(label, stream): (a, b) for stream, label, a, b in plan.timeline if label.startswith("grad ")}
+    runs = sorted((steps[(f"grad {f}", "comm:tp")], steps[(f"grad {f}", "comm:dp")]) for f in chains)
+    for (_, (_, dp_end)), ((tp_start, _), _) in zip(runs, runs[1:]):
+        assert tp_start == pytest.approx(dp_end, rel=0, abs=1e-12)
 
 
 def test_buckets_reduce_in_place_and_no_op_nodes_are_gone():
