@@ -4,9 +4,10 @@ verdict's time, then a plan at the smallest feasible peak, plus 0.5% for the rou
 
 Models: the small transformers models of autopar/testing/hf_models.py (hidden 64, 2 layers) on a fake 2x2 CPU
 mesh, the example Llama (LLAMA_SMALL) on the same mesh, and Llama-3-8B (batch 16) and 70B (batch 8, also at
-80 GB per rank) on a fake 8x8 H100 mesh (dp over InfiniBand, tp over NVLink), sequence 8192.
+80 GB per rank) on a fake 8x8 H100 mesh (dp over InfiniBand, tp over NVLink), sequence 8192; `8b-node`:
+Llama-3-8B (batch 8) on one node of 8 H100s as a 2x4 mesh (also at 80 GB per rank).
 
-Usage: python benchmarks/plan_pressure.py [--models opt,qwen2,...,llama-small,8b,70b] [--fractions 1,0.7,0.5,0.3]
+Usage: python benchmarks/plan_pressure.py [--models opt,qwen2,...,llama-small,8b,70b,8b-node] [--fractions 1,0.7,0.5,0.3]
                                          [--recompute auto|off|selective|full] [--repeat N]
 With recompute "auto" (the default) a binding limit makes the planner solve one placement program per recompute
 variant of the layer stack (keep, selective, full); "off" times the placement program alone.
@@ -35,6 +36,12 @@ def _build(name: str):
     from autopar.testing import hf_models
 
     cpu = dict(mesh=autopar.fake_mesh((2, 2), ("dp", "tp"), device_type="cpu"), config={})
+    if name == "8b-node":  # one node of 8 GPUs as a 2x4 mesh, every link NVLink
+        with torch.device("meta"):
+            model = Llama(LLAMA3_8B)
+        return dict(model=model, args=(torch.zeros(8, 8192, dtype=torch.long),), kwargs=None,
+                    loss_fn=cross_entropy_loss, mesh=autopar.fake_mesh((2, 4), ("dp", "tp")),
+                    config=dict(device="h100", links={"dp": "nvlink", "tp": "nvlink"}))
     if name in ("8b", "70b"):
         with torch.device("meta"):
             model = Llama(LLAMA3_8B if name == "8b" else LLAMA3_70B)
@@ -141,7 +148,7 @@ def main() -> None:
                 print(_row(name, "smallest", _best(name, r["smallest"] * 1.005, a.recompute, a.repeat), base["wall_s"]),
                       flush=True)
                 break
-        if name == "70b":
+        if name in ("70b", "8b-node"):
             print(_row(name, "80 GB", _best(name, 80 * 2**30, a.recompute, a.repeat), base["wall_s"]), flush=True)
 
 
