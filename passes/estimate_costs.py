@@ -252,6 +252,20 @@ def _transition_cost(hw, mesh, shape, dtype, src, dst, grad) -> float:
     return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst, grad))
 
 
+@functools.lru_cache(maxsize=200_000)
+def alone_rest(hw, mesh, shape, dtype, src, dst) -> float:
+    """Seconds of a gradient's collectives after its first, where it is redistributed by itself rather than in a
+    bucket and takes turns (a weight sharded over two axes: grad_sync.in_turn): codegen issues them once the next
+    such gradient exists and waits for them there (codegen.partition), so the backward does not run beside
+    them. 0 for any other."""
+    from autopar.codegen.grad_sync import bucketed, in_turn
+
+    steps = plan_steps(src, dst)
+    if bucketed(steps) is not None or not in_turn(steps):
+        return 0.0
+    return sum([t for st, t in step_costs(hw, mesh, shape, dtype, src, dst, True) if st.is_comm][1:])
+
+
 def flat_grad_reduction(hw, mesh, shape, dtype, src, dst) -> tuple[tuple[int, ...], float] | None:
     """(axes, seconds) of a gradient sum-all-reduced over two or more mesh axes: codegen reduces each bucket
     once over the axes' flattened group (RankSpec.flat_groups), one ring over all their ranks, which runs at the

@@ -14,6 +14,7 @@ from autopar.cost import tensor_bytes
 from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
+from autopar.codegen.grad_sync import in_turn
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
 from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
@@ -217,7 +218,8 @@ def simulate(ctx: PassContext) -> Simulation:
                 deferred.append((grad, _scale(ctx, cap.params[fqn])[1], f"grad {fqn}"))
                 continue
             gscale = _scale(ctx, cap.params[fqn])[1]
-            if grad_reduction(ctx, grad[2], grad[3], cap.params[fqn])[0] != ALONE:
+            if grad_reduction(ctx, grad[2], grad[3], cap.params[fqn])[0] != ALONE or not in_turn(
+                    plan_steps(tuple(grad[2]), tuple(grad[3]))):
                 comm(*grad, compute_free, gscale, f"grad {fqn}", bucketed=True)
                 continue
             # Redistributed by itself (codegen.partition): the previous such gradient's collectives are waited
@@ -457,7 +459,8 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
     a reduce-scatter bucket's gradients are larger than the shards they become, and its input lives until it is
     waited on, before the next bucket is written), or the largest of the produced gradients redistributed one
     by one (a 2-D sharded parameter's: issued as soon as it exists, its collectives done before the next such
-    gradient or reduce-scatter bucket is issued, codegen.partition; alone_held). Where the memory profile
+    gradient or reduce-scatter bucket is issued, codegen.partition; alone_held), and those gathered first (a
+    sharded gradient of a replicated weight: waited on at the end of the backward, so all live until then). Where the memory profile
     counts the reduced gradients from where they are produced (passes/memory_profile.py), that is what the
     bucket holds beyond them."""
     from autopar.codegen.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
@@ -467,7 +470,8 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         return 0.0
     produced = produced_gradients(ctx)
     kinds: dict[tuple, list[tuple[float, float]]] = {}
-    alone = 0.0  # the largest gradient in flight by itself
+    alone = 0.0  # the largest gradient in flight by itself, taking turns
+    gathered = 0.0  # gradients redistributed by themselves, gathered first: to the end of the backward
     # Gradients appear last layer first; a captured layer standing for several repeats as a whole, in order.
     runs: list[tuple[str, int, list[tuple]]] = []  # (layer, count, [(kind, (size, held))])
     for fqn in reversed(list(ctx.captured.grads)):
@@ -475,8 +479,10 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
         pnode = ctx.captured.params[fqn]
         src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[pnode]).outs[0]
         kind, size, count = grad_reduction(ctx, src, dst, pnode)
-        if kind == ALONE:
+        if kind == ALONE and in_turn(plan_steps(tuple(src), tuple(dst))):
             alone = max(alone, alone_held(ctx, size, dst, pnode) if produced else 2 * size)
+        elif kind == ALONE:
+            gathered += size * count
         elif kind is not None:
             layer = ctx.captured.layer_of(fqn)
             if not (layer and runs and runs[-1][0] == layer and runs[-1][1] == count):
@@ -497,7 +503,7 @@ def grad_bucket_bytes(ctx: PassContext) -> float:
             total += size
             held += extra
             largest = max(largest, held)
-    return max(largest, alone)
+    return max(largest, alone) + gathered
 
 
 def bucket_held(ctx: PassContext, kind: tuple, size: float, dst: tuple, pnode: fx.Node) -> float:

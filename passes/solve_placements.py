@@ -146,7 +146,11 @@ def _exposed_grad(ctx: PassContext):
     repeated layers (the last layer's reduction has none left to hide behind). What does not fit behind its
     share is exposed, but never less than its tail: one layer's worth (1/L) inside the layers, all of it after
     the last layer's backward (an embedding's), none before (the output head's), all of it without repeated
-    layers. The backward is priced at its best split (each op's cheapest strategy), so the price is linear."""
+    layers. The backward is priced at its best split (each op's cheapest strategy), so the price is linear. A
+    gradient redistributed by itself (a weight sharded over two axes) hides its first collective so; the others
+    run while the backward waits for them (codegen.partition) and are exposed whole."""
+    from autopar.passes.estimate_costs import alone_rest
+
     cap = ctx.captured
     layers = sum(b.count for b in cap.blocks)
     pos = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
@@ -164,7 +168,12 @@ def _exposed_grad(ctx: PassContext):
         else:
             tail = 1.0 / layers if node in cap.block_of else 0.0
         share = hidden * backward * size[id(e)] / total
-        return [[max(tail * v, v - share) for v in row] for row in c.cost], 0 < tail < 1
+        shape, dtype = tuple(e.meta.shape), ctx.precision.grad_dtype
+        out = []
+        for a, row in zip(c.src_layouts, c.cost):
+            rest = [e.count * alone_rest(ctx.hw, ctx.mesh, shape, dtype, a, b) for b in c.dst_layouts]
+            out.append([max(tail * (v - r), v - r - share) + r for v, r in zip(row, rest)])
+        return out, 0 < tail < 1
 
     return price
 
@@ -239,9 +248,11 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
     """The gradient buckets (simulate_step.grad_bucket_bytes) as the program's buffers, where each kind of
     reduction fills one bucket whatever the placements (a model of at most 1 MiB of gradients): per kind, what
     each gradient takes in its bucket on the (producer layout, parameter layout) pairs reduced that way, and on
-    its own list each gradient reduced alone (one is in flight at a time). Elsewhere none: the program sets aside _reserve instead.
+    its own list each gradient reduced alone that takes turns (one is in flight at a time), and on every list
+    those gathered first (held to the end of the backward). Elsewhere none: the program sets aside _reserve instead.
     With `bound` (one microbatch, no pipeline), the same buffers however many buckets a kind fills: an upper
     bound on the largest bucket (the search for the least peak uses it). Built once."""
+    from autopar.codegen.grad_sync import in_turn
     from autopar.passes.simulate_step import ALONE, alone_held, bucket_held, grad_reduction, grads_in_one_bucket
 
     when = (ctx.microbatches, ctx.pipeline is None, bound)
@@ -252,7 +263,8 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
     if not (grads_in_one_bucket(ctx) or (bound and ctx.microbatches == 1 and ctx.pipeline is None)):
         return []
     kinds: dict[tuple, list[IlpEdge]] = {}
-    alone: list[IlpEdge] = []
+    alone: list[IlpEdge] = []  # taking turns (grad_sync.in_turn): a list each
+    gathered: list[IlpEdge] = []  # gathered first: on every list
     for fqn, g in ctx.captured.grads.items():
         u, idx = producer(g)
         pnode = ctx.captured.params[fqn]
@@ -268,16 +280,20 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
         for a, la in enumerate(a_lays):
             for b, lb in enumerate(b_lays):
                 kind, size, count = grad_reduction(ctx, la, lb, pnode)
-                if kind == ALONE:  # beyond the reduced gradient the rows' terms count; one in flight
+                if kind == ALONE and in_turn(plan_steps(la, lb)):  # beyond the reduced gradient; in turn
                     mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = alone_held(
                         ctx, size, lb, pnode)
+                elif kind == ALONE:  # gathered first: to the end of the backward
+                    mats.setdefault("gathered", np.zeros((len(a_lays), len(b_lays))))[a, b] = size * count
                 elif kind is not None:
                     mats.setdefault(kind, np.zeros((len(a_lays), len(b_lays))))[a, b] = bucket_held(
                         ctx, kind, size, lb, pnode) * count
         for kind, m in mats.items():
             e = IlpEdge(src, dst, a_idx, b_idx, m.tolist())
-            (alone if kind == ALONE else kinds.setdefault(kind, [])).append(e)
-    ctx.grad_buffers[when] = list(kinds.values()) + [[e] for e in alone]
+            (alone if kind == ALONE else gathered if kind == "gathered" else kinds.setdefault(kind, [])).append(e)
+    # One bucket or one gradient taking turns in flight (the largest list), those gathered first beside it.
+    lists = list(kinds.values()) + [[e] for e in alone]
+    ctx.grad_buffers[when] = [edges + gathered for edges in lists] or ([gathered] if gathered else [])
     return ctx.grad_buffers[when]
 
 
@@ -632,8 +648,9 @@ def _peak(ctx: PassContext, choice: dict[str, int]) -> float:
 
 def _fewer_buckets(ctx: PassContext, choice: dict[str, int], figure: float) -> dict[str, int] | None:
     """A plan of least peak need not have few gradient buffers: minimizing the memory rows, it may shard a
-    gradient's producer and parameter apart so that the gradient is reduced alone and lives to the end of the
-    backward (Llama-3-70B on 8x8 at half its peak: 4.8 GiB of them). Where its buffers exceed the reserve, the
+    gradient's producer and parameter apart so that the gradient is reduced alone, in flight at full size
+    (Llama-3-70B on 8x8 at half its peak, when such gradients were held to the end of the backward: 4.8 GiB of
+    them). Where its buffers exceed the reserve, the
     fastest plan whose rows are within 0.1% of that least peak is tried too: a plan that fits in less, with
     its buffers, than `figure` (the figure it has to beat), or None."""
     from autopar.passes.simulate_step import grad_bucket_bytes

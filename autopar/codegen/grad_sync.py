@@ -16,10 +16,19 @@ from autopar.codegen.collectives import bucketed_all_reduce, bucketed_reduce_sca
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
-# Node meta of the nodes redistributing one gradient by itself (not in a bucket): the parameter's FQN.
-# codegen.partition issues such a gradient's collectives once the previous one's are done, as it does
-# reduce-scatter buckets, so one gradient's full-size input is in flight, not every such gradient's.
+# Node meta of the nodes redistributing one gradient by itself (not in a bucket) whose first collective reduces
+# it (in_turn): the parameter's FQN. codegen.partition issues such a gradient's collectives once the previous
+# one's are done, as it does reduce-scatter buckets, so one full-size partial sum is in flight, not every one.
 ALONE_GRAD = "autopar_alone_grad"
+
+
+def in_turn(steps) -> bool:
+    """Whether a gradient redistributed by itself in these steps takes turns (ALONE_GRAD): its first collective
+    reads it as a full-size partial sum (a reduce-scatter or an all-reduce). One that is gathered first (a
+    sharded gradient of a replicated weight) holds no more than its result: it is issued as it exists and
+    waited on at the end of the backward."""
+    first = next((st for st in steps if st.is_comm), None)
+    return first is not None and first.kind in ("reduce_scatter", "all_reduce")
 
 
 def sync_grads(low: Any, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
@@ -41,7 +50,7 @@ def sync_grads(low: Any, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
             before = set(low.b.graph.nodes)
             grads[fqn] = low._redistribute(value, low.layout_of(g), low.layout_of(pnode), "bwd",
                                            f"the gradient of {fqn}")
-            for n in low.b.graph.nodes:
+            for n in low.b.graph.nodes if in_turn(steps) else ():
                 if n not in before:
                     n.meta[ALONE_GRAD] = fqn
     for (kind, axis, _), items in buckets.items():
@@ -78,4 +87,4 @@ def bucketed(steps) -> tuple[int, ...] | int | None:
     return None
 
 
-__all__ = ["ALONE_GRAD", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]
+__all__ = ["ALONE_GRAD", "in_turn", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]
