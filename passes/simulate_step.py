@@ -14,7 +14,7 @@ from autopar.cost import tensor_bytes
 from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.codegen.grad_sync import in_turn
+from autopar.codegen.grad_sync import computed_by, in_turn
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
 from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
@@ -74,6 +74,12 @@ def simulate(ctx: PassContext) -> Simulation:
     gathers = _param_gathers(ctx)
     gathered: dict[tuple[int, str], list[float]] = {}  # (group, phase) -> when each member is there
     alone = None  # the gradient redistributed by itself in flight: (its redistribution, first step's end, ...)
+    turn_ops = set()  # ops computing a gradient that takes turns: the one in flight is waited for before them
+    for fqn, g in cap.grads.items():
+        u, idx = producer(g)
+        src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[cap.params[fqn]]).outs[0]
+        if m == 1 and grad_reduction(ctx, src, dst, cap.params[fqn])[0] == ALONE and in_turn(plan_steps(src, dst)):
+            turn_ops.add(computed_by(u))
 
     def gather(idx: int, phase: str, start: float, blocking: bool = True) -> list[float]:
         """Issue group `idx` of parameter gathers (a bucket of one layer's all-gathers, or one gather on its own)
@@ -150,6 +156,10 @@ def simulate(ctx: PassContext) -> Simulation:
         if node.target is operator.getitem:
             ready[node] = ready[node.args[0]]
             continue
+        if node in turn_ops and alone is not None:  # the gradient in flight runs to its end first
+            compute_free = max(compute_free, comm(*alone[0], max(alone[1], compute_free), alone[2], alone[3],
+                                                  bucketed=True, part="rest"), alone[1])
+            alone = None
         key = ctx.key[node]
         strat = ctx.chosen(key)
         scale = _scale(ctx, node)[1]
@@ -222,8 +232,8 @@ def simulate(ctx: PassContext) -> Simulation:
                     plan_steps(tuple(grad[2]), tuple(grad[3]))):
                 comm(*grad, compute_free, gscale, f"grad {fqn}", bucketed=True)
                 continue
-            # Redistributed by itself (codegen.partition): the previous such gradient's collectives are waited
-            # on, the rest of them issued and waited on, before this one's first is issued.
+            # Redistributed by itself (codegen.partition): the previous such gradient's collectives were waited
+            # on, the rest of them issued and waited on, before the op computing this one ran.
             if alone is not None:
                 compute_free = max(compute_free, comm(*alone[0], max(alone[1], compute_free), alone[2],
                                                       alone[3], bucketed=True, part="rest"), alone[1])
@@ -437,7 +447,8 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
     buffers = sum(float(b[ctx.choice[k]]) for k, b in buffer_bytes(ctx).items())
-    static = param_b + buffers + grad_b + opt_b + master + accumulation + buckets
+    gathered = gathered_param_bytes(ctx)
+    static = param_b + buffers + grad_b + opt_b + master + accumulation + buckets + gathered
     mem = {"params": int(param_b), "buffers": int(buffers), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
            "master_weights": int(master), "activations": int(peak - live_grads)}
     if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
@@ -448,7 +459,24 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         mem["grad_accumulation"] = int(accumulation)
     if buckets:
         mem["grad_buckets"] = int(buckets)
+    if gathered:
+        mem["gathered_params"] = int(gathered)
     return mem, int(static + peak)
+
+
+def gathered_param_bytes(ctx: PassContext) -> float:
+    """Parameters gathered from a sharded storage (FSDP), beyond the values the graph computes from them: the
+    largest bucket with the one codegen gathers beside it (the next layer's, prefetched in the forward and in the
+    backward), or the largest gather on its own. Counted where the integer program sets the collective buffers
+    aside from the limit (_reserve); 0 where its rows count the gradient buffers exactly (at most 1 MiB of
+    gradients), and with several microbatches or stages."""
+    if ctx.microbatches > 1 or ctx.pipeline is not None or grads_in_one_bucket(ctx):
+        return 0.0
+    gathers = _param_gathers(ctx)
+    size = [sum(local_bytes(tuple(shape), dtype, tuple(dst), ctx.mesh.shape) for shape, dtype, _, dst, _, _ in g.comms)
+            for g in gathers.groups]
+    pairs = [size[i] + size[j] for i, j in [*gathers.next_bucket.items(), *gathers.next_backward.items()]]
+    return float(max(pairs + size, default=0.0))
 
 
 def grad_bucket_bytes(ctx: PassContext) -> float:

@@ -482,7 +482,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     program with its own buffers, it is the plan rather than that error. The error's `fitting` holds (choice,
     variants) of a plan the solve passed over for a faster one that did not fit with its buffers, where one fits
     with its own (else None)."""
-    from autopar.passes.simulate_step import grad_bucket_bytes, simulate
+    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes, simulate
 
     reserve = _reserve(ctx) if reserve is None else reserve
     report = ctx.progress.update if ctx.progress is not None else None
@@ -522,7 +522,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         candidates = [out.result] + out.alternatives
         result = _fastest(ctx, reduced, candidates)
         _adopt(ctx, reduced, result)
-        buckets = grad_bucket_bytes(ctx) if resolved else 0.0
+        buckets = grad_bucket_bytes(ctx) + gathered_param_bytes(ctx) if resolved else 0.0
         # A plan that fits with its own buckets is a plan of the program setting them aside too (a tighter one,
         # whose optimum the bound found holds under): it is kept rather than solved for again.
         if buckets <= reserve or _peak(ctx, ctx.choice) <= ctx.memory_limit:
@@ -632,13 +632,13 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 
 
 def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
-    """The gradient buffers `choice` needs beside its peak (none under a pipeline)."""
-    from autopar.passes.simulate_step import grad_bucket_bytes
+    """The gradient buffers and gathered parameters `choice` needs beside its peak (none under a pipeline)."""
+    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return grad_bucket_bytes(ctx)
+    return grad_bucket_bytes(ctx) + gathered_param_bytes(ctx)
 
 
 def _peak(ctx: PassContext, choice: dict[str, int]) -> float:

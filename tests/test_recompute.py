@@ -292,7 +292,7 @@ def test_recomputed_regions_redistribute_again_and_both_models_price_it():
 
 @pytest.mark.slow
 def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again_with_its_variants_fixed(monkeypatch):
-    """transformers BERT (hidden 64) on a (dp=2, tp=2) mesh at 0.7x of its unconstrained peak: the joint program
+    """transformers BERT (hidden 64) on a (dp=2, tp=2) mesh at 0.6x of its unconstrained peak: the joint program
     prices the collectives its recomputed layers run again more than 10% below their cost, so the program with
     the chosen variant fixed is solved too, and its plan (faster by the step simulator) reports the exact price
     of its choice and the joint program's bound. A joint plan that is not solved again reports the exact price
@@ -304,7 +304,7 @@ def test_a_joint_plan_that_underprices_its_recompute_collectives_is_solved_again
     model, args, kwargs = MODELS["bert"](batch=4, seq=16)
     mesh = autopar.fake_mesh(SHAPE, NAMES, "cpu")
     free = compile_plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET)).plan
-    limit = 0.7 * free.peak_memory_per_rank / 2**30
+    limit = 0.6 * free.peak_memory_per_rank / 2**30
     comp = compile_plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET, memory_limit_gb=limit))
     stats, ctx = comp.ctx.solver_stats, comp.ctx
     assert stats["recompute"] == "joint, repriced" and comp.plan.recomputed_stacks(), (stats, comp.plan.recompute)
