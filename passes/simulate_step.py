@@ -14,7 +14,7 @@ from autopar.cost import tensor_bytes
 from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
-from autopar.codegen.grad_sync import computed_by, in_turn
+from autopar.codegen.grad_sync import in_turn
 from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
 from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
@@ -74,12 +74,6 @@ def simulate(ctx: PassContext) -> Simulation:
     gathers = _param_gathers(ctx)
     gathered: dict[tuple[int, str], list[float]] = {}  # (group, phase) -> when each member is there
     alone = None  # the gradient redistributed by itself in flight: (its redistribution, first step's end, ...)
-    turn_ops = set()  # ops computing a gradient that takes turns: the one in flight is waited for before them
-    for fqn, g in cap.grads.items():
-        u, idx = producer(g)
-        src, dst = ctx.chosen(ctx.key[u]).outs[idx], ctx.chosen(ctx.key[cap.params[fqn]]).outs[0]
-        if m == 1 and grad_reduction(ctx, src, dst, cap.params[fqn])[0] == ALONE and in_turn(plan_steps(src, dst)):
-            turn_ops.add(computed_by(u))
 
     def gather(idx: int, phase: str, start: float, blocking: bool = True) -> list[float]:
         """Issue group `idx` of parameter gathers (a bucket of one layer's all-gathers, or one gather on its own)
@@ -156,10 +150,6 @@ def simulate(ctx: PassContext) -> Simulation:
         if node.target is operator.getitem:
             ready[node] = ready[node.args[0]]
             continue
-        if node in turn_ops and alone is not None:  # the gradient in flight runs to its end first
-            compute_free = max(compute_free, comm(*alone[0], max(alone[1], compute_free), alone[2], alone[3],
-                                                  bucketed=True, part="rest"), alone[1])
-            alone = None
         key = ctx.key[node]
         strat = ctx.chosen(key)
         scale = _scale(ctx, node)[1]
@@ -232,8 +222,8 @@ def simulate(ctx: PassContext) -> Simulation:
                     plan_steps(tuple(grad[2]), tuple(grad[3]))):
                 comm(*grad, compute_free, gscale, f"grad {fqn}", bucketed=True)
                 continue
-            # Redistributed by itself (codegen.partition): the previous such gradient's collectives were waited
-            # on, the rest of them issued and waited on, before the op computing this one ran.
+            # Redistributed by itself (codegen.partition): the previous such gradient's collectives are waited
+            # on, the rest of them issued and waited on, before this one's first is issued.
             if alone is not None:
                 compute_free = max(compute_free, comm(*alone[0], max(alone[1], compute_free), alone[2],
                                                       alone[3], bucketed=True, part="rest"), alone[1])
@@ -543,9 +533,11 @@ def bucket_held(ctx: PassContext, kind: tuple, size: float, dst: tuple, pnode: f
 def alone_held(ctx: PassContext, size: float, dst: tuple, pnode: fx.Node) -> float:
     """What a gradient of `size` produced bytes redistributed by itself takes beyond its reduced gradient (in
     its parameter's layout `dst`) while its collectives run: itself, and a buffer as large as the larger of it
-    and its result (a contiguous copy for a reduce-scatter, a step's output)."""
+    and its result (a contiguous copy for a reduce-scatter, a step's output); and, since it is waited for when
+    the next such gradient exists, that one's partial sum beyond its shard, taken as large as its own (an upper
+    bound where the gradients taking turns are sharded alike, as a layer's are)."""
     reduced = reduced_bytes(ctx, dst, pnode)
-    return size + max(size, reduced) - reduced
+    return size + max(size, reduced) - reduced + max(size - reduced, 0.0)
 
 
 def reduced_bytes(ctx: PassContext, dst: tuple, pnode: fx.Node) -> float:

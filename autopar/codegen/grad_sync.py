@@ -63,17 +63,6 @@ def sync_grads(low: Any, local: dict[str, fx.Node]) -> dict[str, fx.Node]:
     return grads
 
 
-def computed_by(node: fx.Node) -> fx.Node:
-    """The op that computes `node`'s data, looking through views (a weight's gradient is often the transpose of
-    the matmul computing it). A gradient taking turns is waited for before that op of the next one runs."""
-    from autopar.cost import VIEW_OPS
-
-    while (node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node)
-           and (node.target in VIEW_OPS or getattr(node.target, "overloadpacket", None) in VIEW_OPS)):
-        node = node.args[0]
-    return node
-
-
 def grad_sync_graph(low: Any) -> fx.GraphModule:
     """(*accumulated gradients of `low.deferred`, in their produced layouts) -> (each in its parameter's
     layout): the gradient collectives of a step of several microbatches, run once after the last one."""
@@ -98,4 +87,4 @@ def bucketed(steps) -> tuple[int, ...] | int | None:
     return None
 
 
-__all__ = ["ALONE_GRAD", "in_turn", "computed_by", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]
+__all__ = ["ALONE_GRAD", "in_turn", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "sync_grads", "grad_sync_graph", "bucketed"]

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.codegen.grad_sync import ALONE_GRAD, computed_by
+from autopar.codegen.grad_sync import ALONE_GRAD
 from autopar.codegen.lower import GRAD_SYNC, LocalJoint
 from autopar.codegen.schedule import issue_input_collectives_early, simplify
 from autopar.recompute import random
@@ -183,8 +183,8 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
     # bucket is filled (as FSDP does): one bucket's input in flight, not every gradient at full size. A gradient
     # redistributed by itself whose first collective reduces it (ALONE_GRAD: a 2-D sharded parameter's,
     # reduce-scattered over one axis, then the other) holds its input likewise: its steps run to their end before
-    # the op computing the next such gradient runs (so the two full-size partial sums never live at once), and
-    # before a bucket is issued.
+    # the next such gradient or a bucket is issued. (Not before the op computing the next one: which local op
+    # that is can differ between ranks, and every rank must issue its collectives in one order.)
     sync = [n for n in joint.gm.graph.nodes if n in live_bwd and n.meta.get(GRAD_SYNC)]
     scatter_input = {n.args[0]: [u for u in n.users if _is_wait(u)] for n in sync if _is_bucket_scatter(n)}
     chain_end: dict[str, fx.Node] = {}  # fqn -> the last node of its gradient's redistribution
@@ -192,8 +192,6 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
         if n.meta.get(ALONE_GRAD) is not None:
             chain_end[n.meta[ALONE_GRAD]] = n
     started: set[str] = set()
-    turn_ops = {computed_by(a) for n in sync if n.meta.get(ALONE_GRAD) is not None for a in n.all_input_nodes
-                if not a.meta.get(GRAD_SYNC)}
     in_flight: list[fx.Node] = []
 
     def rotate(then: list[fx.Node]) -> None:
@@ -222,8 +220,6 @@ def _backward_graph(joint: LocalJoint, saved: list[fx.Node], recompute: set[fx.N
 
     for n in joint.gm.graph.nodes:
         if n in live_bwd and n.op == "call_function" and not n.meta.get(GRAD_SYNC):
-            if n in turn_ops:
-                rotate([])
             for a in n.all_input_nodes:
                 if a in recompute:
                     emit(a)
