@@ -561,20 +561,29 @@ def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start
     that plan is faster, reporting the lower of its bound and `bound`, else None (nothing adopted)."""
     from autopar.passes.simulate_step import simulate
 
+    from autopar.passes.simulate_step import gathered_param_bytes
+
     if _grad_buffers(ctx) or not _grad_buffers(ctx, bound=True):
         return None
-    problem = build_problem(ctx, float(ctx.memory_limit), joint, bound_buffers=True)
-    reduced = reduce_problem(problem)
-    known = reduced.restrict({k: start[k] for k in problem.n_strategies})
-    sc = ctx.config.solver
-    try:
-        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline, relative_gap=sc.relative_gap,
-                            start=known if known is not None and reduced.problem.fits(known) else None,
-                            waited=_waited(ctx, reduced))
-    except (ProgramInfeasible, SolverTimeout):
-        return None
-    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
-    _adopt(ctx, reduced, result)
+    ctx.choice = dict(start)
+    aside = gathered_param_bytes(ctx)  # the rows do not hold the gathered parameters: set aside, as `start`'s
+    for _ in range(2):  # and once more with the plan's own, where they take more
+        problem = build_problem(ctx, float(ctx.memory_limit) - aside, joint, bound_buffers=True)
+        reduced = reduce_problem(problem)
+        known = reduced.restrict({k: start[k] for k in problem.n_strategies})
+        sc = ctx.config.solver
+        try:
+            out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
+                                relative_gap=sc.relative_gap,
+                                start=known if known is not None and reduced.problem.fits(known) else None,
+                                waited=_waited(ctx, reduced))
+        except (ProgramInfeasible, SolverTimeout):
+            return None
+        result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+        _adopt(ctx, reduced, result)
+        if _peak(ctx, ctx.choice) <= ctx.memory_limit:
+            break
+        aside = max(aside, gathered_param_bytes(ctx))
     if _peak(ctx, ctx.choice) > ctx.memory_limit or simulate(ctx).step_time >= step:
         return None
     # The program's own bound holds under its buffers' upper bound only.
