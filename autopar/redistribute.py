@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -18,8 +19,11 @@ R = Replicate()
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One per-axis change. kind: all_gather | all_reduce | reduce_scatter | all_to_all (communication),
-    chunk | partialize | rescale (local). `dim`/`dst_dim` are tensor dims; `op` a reduce op."""
+    """One change on one mesh axis, or on several at once. kind: all_gather | all_reduce | reduce_scatter |
+    all_to_all (communication), chunk | partialize | rescale (local). `dim`/`dst_dim` are tensor dims; `op` a
+    reduce op. A collective over several axes (`flat`, in mesh order; `axis` is the first) runs once over their
+    flattened group, whose ranks are numbered row-major over those axes: the nesting of a dim sharded over
+    them, so one all_gather (reduce_scatter) over the group gathers (scatters) what one per axis would."""
 
     kind: str
     axis: int
@@ -27,13 +31,23 @@ class Step:
     dst_dim: int | None = None
     op: str | None = None
     factor: float | None = None
+    flat: tuple[int, ...] = ()
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """The mesh axes the step runs over (one, or a flattened group's)."""
+        return self.flat or (self.axis,)
 
     @property
     def is_comm(self) -> bool:
         return self.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
+    def ranks(self, sizes: Sequence[int]) -> int:
+        """How many ranks the step runs over on a mesh of `sizes`."""
+        return math.prod(sizes[a] for a in self.axes)
+
     def describe(self, axis_names: Sequence[str]) -> str:
-        ax = axis_names[self.axis]
+        ax = "+".join(axis_names[a] for a in self.axes)
         if self.kind == "all_to_all":
             return f"all_to_all[{ax}] S({self.dim})->S({self.dst_dim})"
         if self.kind in ("all_gather", "chunk"):
@@ -53,8 +67,37 @@ def _dims_of(p: Placement) -> list[int]:
 
 def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     """Steps from `src` to `dst` (one placement per mesh axis). Partial-to-Shard uses reduce_scatter and
-    Shard-to-Shard all_to_all when the nesting allows it; otherwise a dim is gathered and re-chunked."""
-    return list(_plan_steps(tuple(src), tuple(dst)))
+    Shard-to-Shard all_to_all when the nesting allows it; otherwise a dim is gathered and re-chunked. Where
+    several axes gather one dim they shard together (or reduce, or reduce and scatter one dim), the step runs
+    once over their flattened group (Step.flat)."""
+    return list(_flattened(_plan_steps(tuple(src), tuple(dst))))
+
+
+@functools.lru_cache(maxsize=65536)
+def _flattened(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """`steps` with each run of per-axis collectives that one collective over the axes' flattened group does
+    merged into it: all_gathers of one dim, inner axis first (the dim's nesting unwound); all_reduces of one
+    op; and such an all_reduce followed by a chunk of one dim on each of its axes (a reduce_scatter)."""
+    out: list[Step] = []
+    for st in steps:
+        last = out[-1] if out else None
+        if last is not None and st.kind == last.kind and st.op == last.op and st.axis < min(last.axes) and (
+                (st.kind == "all_gather" and st.dim == last.dim) or st.kind == "all_reduce"):
+            out[-1] = dataclasses.replace(st, flat=(st.axis, *last.axes))
+        else:
+            out.append(st)
+    # A partial sum reduced over a flattened group and chunked on each of its axes, outer first, on one dim:
+    # one reduce_scatter over the group.
+    i = 0
+    while i < len(out):
+        st = out[i]
+        k = len(st.flat)
+        chunks = out[i + 1:i + 1 + k]
+        if (k and st.kind == "all_reduce" and len(chunks) == k and all(c.kind == "chunk" for c in chunks)
+                and tuple(c.axis for c in chunks) == st.flat and len({c.dim for c in chunks}) == 1):
+            out[i:i + 1 + k] = [dataclasses.replace(st, kind="reduce_scatter", dim=chunks[0].dim)]
+        i += 1
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -205,15 +205,13 @@ def _edge_cost(ctx: PassContext, e) -> EdgeCost:
 
 
 def axis_times(hw, mesh, shape, dtype, src, dst) -> dict[int, float]:
-    """Seconds a bucketed gradient reduction holds each mesh axis's links (a flattened one holds all of its
-    axes for its whole time)."""
-    flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst))
-    if flat is not None:
-        return {ax: flat[1] for ax in flat[0]}
+    """Seconds a bucketed gradient reduction holds each mesh axis's links (a collective over a flattened group
+    holds all of its axes for its whole time)."""
     out: dict[int, float] = {}
     for st, t in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), True):
         if st.is_comm and t:
-            out[st.axis] = out.get(st.axis, 0.0) + t
+            for a in st.axes:
+                out[a] = out.get(a, 0.0) + t
     return out
 
 
@@ -245,10 +243,6 @@ def transition_cost(ctx: PassContext, shape, dtype, src, dst, grad: bool = False
 
 @functools.lru_cache(maxsize=200_000)
 def _transition_cost(hw, mesh, shape, dtype, src, dst, grad) -> float:
-    if grad:
-        flat = flat_grad_reduction(hw, mesh, shape, dtype, src, dst)
-        if flat is not None:
-            return flat[1]
     return sum(t for _, t in step_costs(hw, mesh, shape, dtype, src, dst, grad))
 
 
@@ -266,22 +260,15 @@ def alone_rest(hw, mesh, shape, dtype, src, dst) -> float:
     return sum([t for st, t in step_costs(hw, mesh, shape, dtype, src, dst, True) if st.is_comm][1:])
 
 
-def flat_grad_reduction(hw, mesh, shape, dtype, src, dst) -> tuple[tuple[int, ...], float] | None:
-    """(axes, seconds) of a gradient sum-all-reduced over two or more mesh axes: codegen reduces each bucket
-    once over the axes' flattened group (RankSpec.flat_groups), one ring over all their ranks, which runs at the
-    slowest of their links. None for any other reduction."""
-    steps = plan_steps(src, dst)
-    if len(steps) < 2 or not all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
-        return None
-    axes = tuple(sorted(st.axis for st in steps))
-    link = min((_link(hw, mesh.links[a], True) for a in axes), key=lambda lk: lk.bandwidth)
-    n = math.prod(mesh.shape[a] for a in axes)
-    return axes, collective_time("all_reduce", local_bytes(shape, dtype, src, mesh.shape), n, link)
-
-
 def _link(hw, kind: str, bucketed: bool):
     link = link_spec(hw, kind)
     return dataclasses.replace(link, latency=0.0) if bucketed else link
+
+
+def step_link(hw, mesh, st, bucketed: bool = False):
+    """The link a step's collective runs at: its axis's, or the slowest of a flattened group's axes (one ring
+    over all their ranks)."""
+    return min((_link(hw, mesh.links[a], bucketed) for a in st.axes), key=lambda lk: lk.bandwidth)
 
 
 def step_costs(hw, mesh, shape, dtype, src, dst, bucketed: bool = False) -> list[tuple]:
@@ -294,19 +281,20 @@ def step_costs(hw, mesh, shape, dtype, src, dst, bucketed: bool = False) -> list
             local[p.dim] //= n
     out = []
     for st in plan_steps(src, dst):
-        n = mesh.shape[st.axis]
+        n = st.ranks(mesh.shape)
         nbytes = tensor_bytes(tuple(local), dtype)
         t = 0.0
+        link = step_link(hw, mesh, st, bucketed) if st.is_comm else None
         if st.kind == "all_gather":
             local[st.dim] *= n
-            t = collective_time("all_gather", nbytes * n, n, _link(hw, mesh.links[st.axis], bucketed))
+            t = collective_time("all_gather", nbytes * n, n, link)
         elif st.kind == "reduce_scatter":
-            t = collective_time("reduce_scatter", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
+            t = collective_time("reduce_scatter", nbytes, n, link)
             local[st.dim] //= n
         elif st.kind == "all_reduce":
-            t = collective_time("all_reduce", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
+            t = collective_time("all_reduce", nbytes, n, link)
         elif st.kind == "all_to_all":
-            t = collective_time("all_to_all", nbytes, n, _link(hw, mesh.links[st.axis], bucketed))
+            t = collective_time("all_to_all", nbytes, n, link)
             local[st.dim] *= n
             local[st.dst_dim] //= n
         elif st.kind == "chunk":

@@ -15,7 +15,7 @@ from autopar.layout import transpose_layout
 from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.codegen.grad_sync import in_turn
-from autopar.passes.estimate_costs import compute_dtype, flat_grad_reduction, local_bytes, step_costs
+from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
 from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
 from autopar.rules.base import flat_tensor_args, op_info
@@ -106,21 +106,6 @@ def simulate(ctx: PassContext) -> Simulation:
         """Schedule a redistribution's collectives from `start`: when the last ends. `part` "first" or "rest":
         its first collective only, or the others."""
         nonlocal total_comm
-        flat = flat_grad_reduction(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst)) if bucketed else None
-        if flat is not None:  # one collective over the axes' flattened group: it holds all their links
-            axes, c = flat[0], flat[1] * scale
-            names = "+".join(mesh.axis_names[a] for a in axes)
-            comm_axis[f"{names}:all_reduce"] += c
-            nbytes = tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
-            for a in axes:
-                comm_bytes[mesh.axis_names[a]] += nbytes
-            begin = max([start] + [axis_free[a] for a in axes])
-            for a in axes:
-                axis_free[a] = begin + c
-            total_comm += c
-            if len(timeline) < 4000:
-                timeline.append((f"comm:{names}", label, begin, begin + c))
-            return begin + c
         t = start
         steps = [(st, c) for st, c in step_costs(hw, mesh, tuple(shape), dtype, tuple(src), tuple(dst), bucketed)
                  if st.is_comm]
@@ -129,13 +114,18 @@ def simulate(ctx: PassContext) -> Simulation:
             if c == 0:
                 continue
             c *= scale
-            ax = mesh.axis_names[st.axis]
+            # One over a flattened group holds all of its axes' links.
+            ax = "+".join(mesh.axis_names[a] for a in st.axes)
             comm_axis[f"{ax}:{st.kind}"] += c
-            comm_bytes[ax] += tensor_bytes(tuple(shape), dtype) * scale / max(1, _shard(src, mesh.shape))
-            begin = max(axis_free[st.axis], t)
+            for a in st.axes:
+                comm_bytes[mesh.axis_names[a]] += tensor_bytes(tuple(shape), dtype) * scale / max(
+                    1, _shard(src, mesh.shape))
+            begin = max([t] + [axis_free[a] for a in st.axes])
             if not bucketed and blocking:
                 waited[st.axis] += begin - t
-            t = axis_free[st.axis] = begin + c
+            t = begin + c
+            for a in st.axes:
+                axis_free[a] = t
             total_comm += c
             if len(timeline) < 4000:
                 timeline.append((f"comm:{ax}", label, begin, t))
@@ -311,7 +301,8 @@ def _param_gathers(ctx: PassContext) -> ParamGathers:
             own.add(member)
             if member in where:
                 continue
-            group = (cap.layer_of(cap.names[param].split("/", 1)[1]), steps[0].axis, dtype, cap.phase[node]) if one else None
+            group = (cap.layer_of(cap.names[param].split("/", 1)[1]), steps[0].axes, dtype,
+                     cap.phase[node]) if one else None
             run = None
             if group is not None and group[0]:
                 run = next((r for r, (g, _, _) in enumerate(runs) if g == group), None)

@@ -195,10 +195,10 @@ def _comm_axes(src_layouts: tuple, dst_layouts: tuple) -> dict[int, list[list[bo
     for i, a in enumerate(src_layouts):
         for j, b in enumerate(dst_layouts):
             for st in plan_steps(a, b):
-                if st.is_comm:
-                    if st.axis not in out:
-                        out[st.axis] = [[False] * len(dst_layouts) for _ in src_layouts]
-                    out[st.axis][i][j] = True
+                for ax in st.axes if st.is_comm else ():
+                    if ax not in out:
+                        out[ax] = [[False] * len(dst_layouts) for _ in src_layouts]
+                    out[ax][i][j] = True
     return out or None
 
 

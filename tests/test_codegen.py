@@ -330,7 +330,15 @@ def test_redistribution_steps_keep_shards_nested():
     # The simple cases keep their one-collective form.
     assert [s.kind for s in checked_steps((Partial(),), (S(0),))] == ["reduce_scatter"]
     assert [s.kind for s in checked_steps((S(0), R), (S(1), R))] == ["all_to_all"]
-    assert [s.kind for s in checked_steps((S(0), S(0)), (R, R))] == ["all_gather", "all_gather"]
+    # A dim sharded over both axes is gathered (a partial sum reduced and scattered over both) by one
+    # collective over the flattened group; one reduce per op over several axes likewise.
+    assert [(s.kind, s.axes) for s in checked_steps((S(0), S(0)), (R, R))] == [("all_gather", (0, 1))]
+    assert [(s.kind, s.axes) for s in checked_steps((Partial(), Partial()), (S(1), S(1)))] == [
+        ("reduce_scatter", (0, 1))]
+    assert [(s.kind, s.axes) for s in checked_steps((Partial(), Partial()), (R, R))] == [("all_reduce", (0, 1))]
+    assert [(s.kind, s.axes) for s in checked_steps((S(0), S(1)), (R, R))] == [("all_gather", (1,)),
+                                                                               ("all_gather", (0,))]
+    assert [(s.kind, s.axes) for s in checked_steps((S(0), R, S(0)), (R, R, R))] == [("all_gather", (0, 2))]
 
 
 def test_unsupported_local_rewrite_is_refused_with_the_op_named():

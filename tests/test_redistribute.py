@@ -14,12 +14,12 @@ SIZES = (2, 2)
 PLACEMENTS = [Replicate(), Shard(0), Shard(1), Partial()]
 
 
-def _shard_of(full: torch.Tensor, layout, coord) -> torch.Tensor:
+def _shard_of(full: torch.Tensor, layout, coord, sizes=SIZES) -> torch.Tensor:
     """The local tensor of rank `coord` for `layout` (mesh-major nesting, as DTensor)."""
     t = full
     for axis, p in enumerate(layout):
         if isinstance(p, Shard):
-            t = t.chunk(SIZES[axis], dim=p.dim)[coord[axis]]
+            t = t.chunk(sizes[axis], dim=p.dim)[coord[axis]]
     return t
 
 
@@ -31,20 +31,20 @@ def _make_local(full, layout, coord, parts):
     return t
 
 
-def _run(steps, locals_):
+def _run(steps, locals_, sizes=SIZES):
     coords = list(locals_)
     for st in steps:
+        # A step over several axes (a flattened group) numbers its ranks row-major over them.
         groups: dict = {}
         for c in coords:
-            key = tuple(c[i] for i in range(len(SIZES)) if i != st.axis)
+            key = tuple(c[i] for i in range(len(sizes)) if i not in st.axes)
             groups.setdefault(key, []).append(c)
         new = {}
         for members in groups.values():
-            members.sort(key=lambda c: c[st.axis])
+            members.sort(key=lambda c: tuple(c[a] for a in st.axes))
             vals = [locals_[c] for c in members]
             n = len(members)
-            for c in members:
-                i = c[st.axis]
+            for i, c in enumerate(members):
                 if st.kind == "all_gather":
                     new[c] = torch.cat(vals, st.dim)
                 elif st.kind == "all_reduce":
@@ -66,24 +66,40 @@ def _run(steps, locals_):
 LAYOUTS = list(itertools.product(PLACEMENTS, repeat=2))
 
 
-@pytest.mark.parametrize("src", LAYOUTS, ids=fmt_layout)
-def test_every_transition_on_a_2x2_mesh(src):
-    torch.manual_seed(0)
-    full = torch.randn(8, 8, dtype=torch.float64)
-    coords = list(itertools.product(range(2), range(2)))
-    for dst in LAYOUTS:
+def _check_every_transition(src, sizes, full):
+    coords = list(itertools.product(*(range(n) for n in sizes)))
+    for dst in itertools.product(PLACEMENTS, repeat=len(sizes)):
         if any(isinstance(p, Partial) for p in dst):
             continue  # targets are materialized layouts (partials are only produced by ops)
         # Partial sources: split the value into random summands along each partial axis.
         locals_ = {}
         for c in coords:
-            t = _shard_of(full, src, c)
+            t = _shard_of(full, src, c, sizes)
             for axis, p in enumerate(src):
                 if isinstance(p, Partial):
-                    t = t / SIZES[axis] + (0.3 if c[axis] == 0 else -0.3)
+                    t = t / sizes[axis] + (0.3 if c[axis] == 0 else -0.3 / (sizes[axis] - 1))
             locals_[c] = t
-        out = _run(plan_steps(src, dst), locals_)
+        out = _run(plan_steps(src, dst), locals_, sizes)
         for c in coords:
-            want = _shard_of(full, dst, c)
+            want = _shard_of(full, dst, c, sizes)
             torch.testing.assert_close(out[c], want, msg=lambda m: f"{fmt_layout(src)} -> {fmt_layout(dst)} "
                                        f"at rank {c}: {m}")
+
+
+@pytest.mark.parametrize("src", LAYOUTS, ids=fmt_layout)
+def test_every_transition_on_a_2x2_mesh(src):
+    torch.manual_seed(0)
+    _check_every_transition(src, SIZES, torch.randn(8, 8, dtype=torch.float64))
+
+
+def test_every_transition_on_a_2x3x2_mesh():
+    """Three axes of unequal sizes: collectives over a flattened group of two or three axes (adjacent or not)
+    number their ranks row-major over those axes, as the nesting of a dim sharded over them."""
+    torch.manual_seed(0)
+    full = torch.randn(12, 12, dtype=torch.float64)
+    flat = set()
+    for src in itertools.product(PLACEMENTS, repeat=3):
+        _check_every_transition(src, (2, 3, 2), full)
+        for dst in itertools.product(PLACEMENTS[:3], repeat=3):
+            flat |= {st.axes for st in plan_steps(src, dst) if len(st.axes) > 1}
+    assert flat == {(0, 1), (0, 2), (1, 2), (0, 1, 2)}

@@ -78,6 +78,25 @@ def steps_valid(src: Sequence[Placement], dst: Sequence[Placement], steps: Seque
         return not any(isinstance(cur[b], Shard) and cur[b].dim == d for b in range(a + 1, n))
 
     for st in steps:
+        if st.flat:  # over a flattened group: the innermost axes of its dim, changed together
+            ps = [cur[a] for a in st.flat]
+            if st.kind == "all_gather":
+                ok = all(p == Shard(st.dim) for p in ps) and inner_free(st.flat[-1], st.dim) and not any(
+                    cur[b] == Shard(st.dim) for b in range(st.flat[0], n) if b not in st.flat)
+                new = Replicate()
+            elif st.kind == "reduce_scatter":
+                ok = all(isinstance(p, Partial) for p in ps) and not any(
+                    cur[b] == Shard(st.dim) for b in range(st.flat[0], n) if b not in st.flat)
+                new = Shard(st.dim)
+            elif st.kind == "all_reduce":
+                ok, new = all(isinstance(p, Partial) for p in ps), Replicate()
+            else:
+                return False
+            if not ok or len({p for p in ps}) != 1:
+                return False
+            for a in st.flat:
+                cur[a] = new
+            continue
         a, p = st.axis, cur[st.axis]
         if st.kind == "all_gather":
             ok, new = isinstance(p, Shard) and p.dim == st.dim and inner_free(a, st.dim), Replicate()
@@ -110,11 +129,23 @@ def _contiguous(b: Builder, x: fx.Node, phase: str) -> fx.Node:
     return b.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, phase=phase)
 
 
+def step_group(rank: RankSpec, st: Step) -> str:
+    """The process group a step's collective runs on: its axis's, or the flattened group of its axes."""
+    if not st.flat:
+        return rank.group_names[st.axis]
+    group = rank.group_of_axes(st.flat)
+    if group is None:
+        raise CodegenError(f"rank {rank.rank} has no flattened process group over the mesh axes "
+                           f"{'+'.join(rank.axis_names[a] for a in st.flat)} that {st.describe(rank.axis_names)} "
+                           "runs on (runtime.rank_spec creates one per combination of axes)")
+    return group
+
+
 def emit_step(b: Builder, x: fx.Node, st: Step, rank: RankSpec, phase: str, hint: str = "",
               what: str = "") -> fx.Node:
-    n = rank.axis_sizes[st.axis]
-    axis = rank.axis_names[st.axis]
-    group = rank.group_names[st.axis]
+    n = st.ranks(rank.axis_sizes)
+    axis = "_".join(rank.axis_names[a] for a in st.axes)
+    group = step_group(rank, st)
     c10d = _c10d()
     shape = list(local_val_shape(x))
     tag = f"{hint}_{axis}" if hint else axis
@@ -199,7 +230,7 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axes: 
     axis, and slice the results back into shape."""
     out: dict[str, fx.Node] = {}
     # Over several axes, one reduction over their flattened group when the rank has one, else one per axis.
-    flat_group = rank.group_of_axes(sorted(axes)) if len(axes) > 1 else None
+    flat_group = rank.group_of_axes(tuple(sorted(axes))) if len(axes) > 1 else None
     groups = ([(flat_group, "_".join(rank.axis_names[a] for a in sorted(axes)))] if flat_group is not None
               else [(rank.group_names[a], rank.axis_names[a]) for a in axes])
     c10d = _c10d()
@@ -225,13 +256,15 @@ def bucketed_all_reduce(b: Builder, items: Sequence[tuple[str, fx.Node]], axes: 
     return out
 
 
-def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]], axis: int, rank: RankSpec,
-                            bucket_bytes: int) -> dict[str, fx.Node]:
-    """Sum-reduce-scatter many tensors over one axis (each on its own dim) with few collectives: each tensor's
-    n chunks are stacked on a leading axis and flattened per chunk, the buckets are concatenated chunk-wise,
-    one reduce_scatter leaves this rank's chunk of every tensor, which is sliced back into shape."""
-    n = rank.axis_sizes[axis]
-    group = rank.group_names[axis]
+def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]], axes: tuple[int, ...],
+                            rank: RankSpec, bucket_bytes: int) -> dict[str, fx.Node]:
+    """Sum-reduce-scatter many tensors over one axis, or the flattened group of several (each tensor on its own
+    dim), with few collectives: each tensor's n chunks are stacked on a leading axis and flattened per chunk,
+    the buckets are concatenated chunk-wise, one reduce_scatter leaves this rank's chunk of every tensor, which
+    is sliced back into shape."""
+    st = Step("reduce_scatter", axes[0], flat=tuple(axes) if len(axes) > 1 else ())
+    n = st.ranks(rank.axis_sizes)
+    group = step_group(rank, st)
     c10d = _c10d()
     out: dict[str, fx.Node] = {}
     for bucket in _by_size(items, bucket_bytes):
@@ -240,7 +273,7 @@ def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]
             stacked = _split_to_leading(b, x, n, list(local_val_shape(x)), dim, "bwd")
             rows.append(b.call(aten.reshape.default, (stacked, [n, -1]), phase="bwd"))
         cat = rows[0] if len(rows) == 1 else b.call(aten.cat.default, (rows, 1), phase="bwd")
-        tag = f"grad_bucket_{rank.axis_names[axis]}"
+        tag = "grad_bucket_" + "_".join(rank.axis_names[a] for a in axes)
         y = b.call(c10d.reduce_scatter_tensor.default, (cat, "sum", n, group), phase="bwd", name=f"reduce_scatter_{tag}")
         y.meta[BUCKET_META] = tuple(fqn for fqn, _, _ in bucket)
         y = b.call(c10d.wait_tensor.default, (y,), phase="bwd", name=f"wait_{tag}")
@@ -258,10 +291,11 @@ def bucketed_reduce_scatter(b: Builder, items: Sequence[tuple[str, fx.Node, int]
 
 @dataclasses.dataclass
 class GatherBucket:
-    """Parameters all-gathered together over one mesh axis: members are (global param node, gathered dim),
-    keys the (param, layout) lookups each member serves; `issued` is the collective once emitted."""
+    """Parameters all-gathered together over one mesh axis or a flattened group of several (`axes`): members are
+    (global param node, gathered dim), keys the (param, layout) lookups each member serves; `issued` is the
+    collective once emitted."""
 
-    axis: int
+    axes: tuple[int, ...]
     phase: str
     members: list[tuple[fx.Node, int]]
     keys: list[tuple] = dataclasses.field(default_factory=list)
@@ -272,19 +306,23 @@ class GatherBucket:
 def emit_bucket_issue(b: Builder, bucket: GatherBucket, shards: Sequence[fx.Node], rank: RankSpec) -> fx.Node:
     """Start the bucket's all_gather: local shards flattened and concatenated; returns the collective node
     (not yet waited on)."""
-    n = rank.axis_sizes[bucket.axis]
+    st = _bucket_step(bucket)
     flat = [b.call(aten.reshape.default, (x, [-1]), phase=bucket.phase) for x in shards]
     cat = b.call(aten.cat.default, (flat,), phase=bucket.phase)
-    return b.call(_c10d().all_gather_into_tensor.default, (cat, n, rank.group_names[bucket.axis]),
-                  phase=bucket.phase, name=f"all_gather_bucket_{rank.axis_names[bucket.axis]}")
+    return b.call(_c10d().all_gather_into_tensor.default, (cat, st.ranks(rank.axis_sizes), step_group(rank, st)),
+                  phase=bucket.phase, name="all_gather_bucket_" + "_".join(rank.axis_names[a] for a in st.axes))
+
+
+def _bucket_step(bucket: GatherBucket) -> Step:
+    return Step("all_gather", bucket.axes[0], flat=bucket.axes if len(bucket.axes) > 1 else ())
 
 
 def emit_bucket_wait(b: Builder, bucket: GatherBucket, shards: Sequence[fx.Node], rank: RankSpec) -> list[fx.Node]:
     """Wait for the bucket's all_gather and cut out each member, gathered along its dim."""
-    n = rank.axis_sizes[bucket.axis]
+    n = _bucket_step(bucket).ranks(rank.axis_sizes)
     phase = bucket.phase
     y = b.call(_c10d().wait_tensor.default, (bucket.issued,), phase=phase,
-               name=f"wait_bucket_{rank.axis_names[bucket.axis]}")
+               name="wait_bucket_" + "_".join(rank.axis_names[a] for a in bucket.axes))
     y = b.call(aten.view.default, (y, [n, -1]), phase=phase)
     out, offset = [], 0
     for x, (_, dim) in zip(shards, bucket.members):

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 
 from autopar import _torch_compat as compat
 from autopar.codegen.builder import CodegenError
-from autopar.codegen.collectives import VALUE_META, _c10d, checked_steps, redistribute
+from autopar.codegen.collectives import VALUE_META, _c10d, checked_steps, redistribute, step_group
 from autopar.codegen.kernels import FP8_CAST_ROWWISE, FP8_CAST_TENSORWISE, FP8_CAST_TRANSPOSE
 from autopar.fp8.formats import DTYPES, E4M3, E5M2, dims_ok, formats_ok
 from autopar.fp8.sites import GemmSite, gradient_nodes, site_of
@@ -83,8 +83,8 @@ class Fp8Lowering:
             amax = b.call(aten.amax.default, (b.call(aten.abs.default, (shard,), phase=phase),), phase=phase)
             c10d = _c10d()
             for st in steps:  # one scale for the gathered tensor: the max of the shards' amaxes
-                red = b.call(c10d.all_reduce.default, (amax, "max", rank.group_names[st.axis]), phase=phase,
-                             name=f"all_reduce_amax_{rank.axis_names[st.axis]}")
+                red = b.call(c10d.all_reduce.default, (amax, "max", step_group(rank, st)), phase=phase,
+                             name="all_reduce_amax_" + "_".join(rank.axis_names[a] for a in st.axes))
                 red.meta[VALUE_META] = f"the FP8 amax of {what}"
                 amax = b.call(c10d.wait_tensor.default, (red,), phase=phase)
             data, inv = _pair(b, FP8_CAST_TENSORWISE, (shard, E4M3, amax), phase)

@@ -77,13 +77,12 @@ def grad_sync_graph(low: Any) -> fx.GraphModule:
     return low.b.module()
 
 
-def bucketed(steps) -> tuple[int, ...] | int | None:
-    """For a gradient reduced in buckets, the axes of its sum all-reduces (a tuple) or the axis of its
-    sum reduce-scatter (an int); None for any other redistribution."""
-    if steps and all(st.kind == "all_reduce" and st.op == "sum" for st in steps):
-        return tuple(st.axis for st in steps)
-    if len(steps) == 1 and steps[0].kind == "reduce_scatter" and steps[0].op == "sum":
-        return steps[0].axis
+def bucketed(steps) -> tuple[int, ...] | None:
+    """For a gradient reduced in buckets, the axes (in mesh order) of its sum all-reduce or its sum
+    reduce-scatter (steps[0].kind says which; over several axes, one collective over their flattened group);
+    None for any other redistribution."""
+    if len(steps) == 1 and steps[0].kind in ("all_reduce", "reduce_scatter") and steps[0].op == "sum":
+        return steps[0].axes
     return None
 
 

@@ -3,6 +3,7 @@ wherever a producer's layout differs from what its consumer was planned to read,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import re
 
@@ -14,7 +15,7 @@ from autopar.capture import Captured
 from autopar.codegen.builder import Builder, CodegenError, RankSpec, local_val_shape
 from autopar.codegen.collectives import (BUCKET_META, GatherBucket, checked_steps, emit_bucket_issue,
                                         emit_bucket_wait, redistribute)
-from autopar.codegen.grad_sync import bucketed, grad_sync_graph, sync_grads
+from autopar.codegen.grad_sync import grad_sync_graph, sync_grads
 from autopar.codegen.local_shapes import (OpSite, describe_shapes, expected_local_shapes, local_device_kwargs,
                                           localize)
 from autopar.codegen import rng
@@ -257,7 +258,8 @@ class _Lowering:
                     continue
                 seen.add((p, dst))
                 # A bucket gathers for one phase: a layout only the backward reads is not gathered in the forward.
-                group = (self.cap.layer_of(self.cap.names[self._param_of(p)].split("/", 1)[1]), steps[0].axis, p.meta["val"].dtype, self.cap.phase[node])
+                group = (self.cap.layer_of(self.cap.names[self._param_of(p)].split("/", 1)[1]), steps[0].axes,
+                         p.meta["val"].dtype, self.cap.phase[node])
                 run = next((r for r in runs if r[0] == group), None) if group[0] else None
                 if run is None and runs and runs[-1][0] == group:
                     run = runs[-1]
@@ -268,7 +270,7 @@ class _Lowering:
         for group, members, phase in runs:
             if len(members) < 2:
                 continue
-            self.buckets.append(GatherBucket(axis=group[1], phase=phase, members=[(k[0], d) for k, d in members],
+            self.buckets.append(GatherBucket(axes=group[1], phase=phase, members=[(k[0], d) for k, d in members],
                                              keys=[k for k, _ in members]))
             for key, _ in members:
                 self.bucket_of[key] = len(self.buckets) - 1
@@ -403,17 +405,11 @@ class _Lowering:
         return grad_sync_graph(self)
 
 
-def multi_axis_grad_reductions(plan: Plan, cap: Captured) -> set[tuple[int, ...]]:
-    """The mesh axes (two or more, in mesh order) over which some gradient is all-reduced: the flattened
-    groups a rank needs for one reduction per bucket (RankSpec.flat_groups)."""
-    low = _Lowering(plan, cap, RankSpec.fake(plan.mesh.axis_names, plan.mesh.shape))
-    out = set()
-    for fqn, pnode in cap.params.items():
-        g = cap.grads.get(fqn)
-        axes = None if g is None else bucketed(checked_steps(low.layout_of(g), low.layout_of(pnode)))
-        if isinstance(axes, tuple) and len(axes) > 1:
-            out.add(tuple(sorted(axes)))
-    return out
+def flattened_axes(plan: Plan) -> list[tuple[int, ...]]:
+    """Every combination of two or more of the plan's mesh axes (in mesh order): the flattened groups a rank
+    holds (RankSpec.flat_groups), on which a collective over several axes runs once (redistribute.Step.flat)."""
+    n = len(plan.mesh.shape)
+    return [axes for k in range(2, n + 1) for axes in itertools.combinations(range(n), k)]
 
 
 def _random_dropout(node: fx.Node) -> bool:

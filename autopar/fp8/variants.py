@@ -77,8 +77,8 @@ def weight_edge_time(site: GemmSite, shape: tuple, dtype: torch.dtype, src: tupl
     t = cast_time(srows, scols, dtype.itemsize, "tensorwise", False, hw)
     numel = srows * scols
     for st in steps:
-        ways = mesh.shape[st.axis]
-        link = link_spec(hw, mesh.links[st.axis])
+        ways = st.ranks(mesh.shape)
+        link = min((link_spec(hw, mesh.links[a]) for a in st.axes), key=lambda lk: lk.bandwidth)
         t += collective_time("all_reduce", 4, ways, link)
         t += collective_time("all_gather", numel * ways, ways, link)
         numel *= ways
