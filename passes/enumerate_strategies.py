@@ -157,7 +157,7 @@ def _placeholder_strategies(ctx: PassContext, node: fx.Node, key: str, pins) -> 
     for pattern, lay in pins.items():
         if fnmatch.fnmatch(what, pattern) or fnmatch.fnmatch(rel, pattern):
             return [NodeStrategy((), (_check_layout(lay, shape, ctx, f"pin {pattern!r} on {what}"),))]
-    return [NodeStrategy((), (lay,)) for lay in layouts_for(shape, ctx.mesh.shape, allow_nested=False)]
+    return [NodeStrategy((), (lay,)) for lay in layouts_for(shape, ctx.mesh.shape, allow_nested=True)]
 
 
 def _check_layout(lay, shape, ctx: PassContext, what: str) -> tuple:

@@ -498,7 +498,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         # The gradient buckets are set aside; where the chosen placements' buckets take more (a gradient larger
         # than a bucket goes alone), set that aside and solve again.
         problem = build_problem(ctx, float(ctx.memory_limit) - reserve, joint)
-        reduced = reduce_problem(problem)
+        reduced = reduce_problem(problem, keep=start)
         known = None if start is None else reduced.restrict({k: start[k] for k in problem.n_strategies})
         mine = fallback is None and known is not None and reduced.problem.fits(known) and (
             bool(_grad_buffers(ctx)) or _buckets(ctx, start) <= reserve)
@@ -569,7 +569,7 @@ def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start
     aside = gathered_param_bytes(ctx)  # the rows do not hold the gathered parameters: set aside, as `start`'s
     for _ in range(2):  # and once more with the plan's own, where they take more
         problem = build_problem(ctx, float(ctx.memory_limit) - aside, joint, bound_buffers=True)
-        reduced = reduce_problem(problem)
+        reduced = reduce_problem(problem, keep=start)
         known = reduced.restrict({k: start[k] for k in problem.n_strategies})
         sc = ctx.config.solver
         try:

@@ -318,6 +318,12 @@ def _solves_as_enumerated(p: IlpProblem, backend: str, peak: bool = False) -> bo
     reduced = reduce_problem(p)
     rr = solve(reduced.problem, backend=backend)
     assert p.objective(reduced.expand(rr.choice)) == pytest.approx(best, rel=1e-6, abs=1e-12)
+    # A plan to start from keeps its strategies, dominated or not, and the optimum stays.
+    worst = max(fits, key=p.objective)
+    held = reduce_problem(p, keep=worst)
+    assert held.expand(held.restrict(worst)) == worst
+    assert p.objective(held.expand(solve(held.problem, backend=backend).choice)) == pytest.approx(
+        best, rel=1e-6, abs=1e-12)
     fast = solve_bounded(p, backend=backend, deadline=None, relative_gap=0.0).result
     assert p.fits(fast.choice) and p.objective(fast.choice) == pytest.approx(best, rel=1e-6, abs=1e-12)
     assert fast.bound_s <= best * (1 + 1e-6)

@@ -26,7 +26,8 @@ class Reduced:
         return None if any(v is None for v in out.values()) else out
 
 
-def reduce_problem(p: IlpProblem) -> Reduced:
+def reduce_problem(p: IlpProblem, keep: dict[str, int] | None = None) -> Reduced:
+    """`keep`: a plan (original indices) whose strategies stay, dominated or not, so that it can be started from."""
     linear = {k: np.asarray(p.compute[k], dtype=float).copy() for k in p.n_strategies}
     pair_edges: dict[tuple, list] = collections.defaultdict(list)
     grouped, side = [], list(p.side_edges)
@@ -57,6 +58,9 @@ def reduce_problem(p: IlpProblem) -> Reduced:
     selectors = p.selectors()
     features = _features(p, linear, edges, grouped, side)
     kept = {k: list(range(n)) if k in selectors else _undominated(n, features[k]) for k, n in p.n_strategies.items()}
+    for k, i in (keep or {}).items():
+        if k in kept and i not in kept[k]:
+            kept[k] = sorted([*kept[k], i])
     new_edges = [IlpEdge(src, dst, [int(si[o]) for o in kept[src]], [int(di[o]) for o in kept[dst]], cost.tolist())
                  for src, dst, si, di, cost in edges]
     new_edges += [e.restricted(kept) for e in grouped]
