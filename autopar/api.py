@@ -123,7 +123,6 @@ class _Training:
 
     def build(self, args: tuple, kwargs: dict):
         from autopar import runtime
-        from autopar.codegen.lower import flattened_axes
         from autopar.compiler import capture_step, reject_collectives
         from autopar.model_spec import ModelSpec
 
@@ -140,7 +139,7 @@ class _Training:
             check_plan(chosen, comp)
         if chosen.model is None:
             chosen.model = ModelSpec.python(self.model).to_json()
-        rank = runtime.rank_spec(self.mesh, flattened_axes(chosen))
+        rank = runtime.rank_spec(self.mesh)
         stages = comp.stage_programs(rank, chosen) if chosen.pipeline is not None else None
         prog = stages[0] if stages else comp.program(rank, chosen)
         params, buffers = {}, {}

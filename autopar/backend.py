@@ -136,7 +136,6 @@ class Backend:
         capture); else the plan of the same graph at other shapes (`same_graph`) when it fits these (its layouts
         divide them); else rank 0 plans. Every rank then runs the same plan."""
         from autopar import runtime
-        from autopar.codegen.lower import flattened_axes
         from autopar.compiler import fingerprint, reject_collectives, solve
         from autopar.errors import PlanMismatchError
         from autopar.plan_check import check_plan
@@ -171,7 +170,7 @@ class Backend:
         self._store(key, plan)
         self._store(same_graph, plan)
         t2 = time.perf_counter()
-        rank = runtime.rank_spec(self.mesh, flattened_axes(plan))
+        rank = runtime.rank_spec(self.mesh)
         program = comp.program(rank, plan)
         self.programs.append(program)
         self.timings.append({"capture_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,

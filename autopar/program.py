@@ -20,6 +20,11 @@ from autopar.plan import Plan
 Layout = tuple[Placement, ...]
 
 
+def flat_combinations(n: int) -> list[tuple[int, ...]]:
+    """Every combination of two or more of n mesh axes, in mesh order: the flattened groups a rank holds."""
+    return [axes for k in range(2, n + 1) for axes in itertools.combinations(range(n), k)]
+
+
 @dataclasses.dataclass(frozen=True)
 class RankSpec:
     """What codegen needs to know of one rank: mesh axes, this rank's coordinate on each, and the
@@ -49,7 +54,7 @@ class RankSpec:
         """A rank of a mesh with no process groups: group names are placeholders `autopar:<axis>`."""
         coords = tuple(coords) if coords is not None else tuple(0 for _ in axis_names)
         flat = tuple((axes, "autopar:" + "+".join(axis_names[a] for a in axes))
-                     for k in range(2, len(axis_names) + 1) for axes in itertools.combinations(range(len(axis_names)), k))
+                     for axes in flat_combinations(len(axis_names)))
         return cls(tuple(axis_names), tuple(axis_sizes), coords, tuple(f"autopar:{a}" for a in axis_names), device,
                    flat)
 

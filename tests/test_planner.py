@@ -701,10 +701,10 @@ def test_a_gradient_without_an_allocation_of_its_own_stays_in_the_static_state()
 @pytest.mark.slow
 def test_a_limit_above_the_smallest_peak_is_not_given_the_plan_of_least_peak():
     """The example Llama on 2x2 at 0.35x of its unconstrained peak, recomputation off (the same path in less
-    time): every plan the solves find needs more gradient buffers than the one solved with set aside, and the
-    plan of least peak (which ignores time) fits. The program whose rows hold the buffers at an upper bound has a
-    plan within a few percent of the bound: that one is kept (the plan of least peak took 589 ms per step, a gap
-    of 79%, against 175 ms)."""
+    time): the plan of least peak (which ignores time) fits, but a plan within a few percent of the bound is
+    found and kept (the plan of least peak took 589 ms per step, a gap of 79%; the plan kept 159 ms, found by the
+    warm starts now that a parameter may be sharded over both axes, where before it took the program whose rows
+    hold the gradient buffers at an upper bound to find one of 175 ms)."""
     torch.manual_seed(0)
     limit = 20.23 * 2**20  # 0.35x of the unconstrained plan's 57.80 MiB
     plan = autopar.plan(Llama(LLAMA_SMALL), autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu"),
@@ -712,7 +712,7 @@ def test_a_limit_above_the_smallest_peak_is_not_given_the_plan_of_least_peak():
                         config=autopar.Config(solver=QUIET, memory_limit_gb=limit / 2**30, recompute="off"))
     s = plan.solver_stats
     assert plan.peak_memory_per_rank <= limit
-    assert s["path"] == "warm start, gradient buffers bounded" and s["gap"] < 0.15, s
+    assert s["path"] != "plan of least peak" and s["gap"] < 0.15, s
 
 
 def test_the_memory_breakdown_counts_the_buffers_the_step_reads():

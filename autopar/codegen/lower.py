@@ -3,7 +3,6 @@ wherever a producer's layout differs from what its consumer was planned to read,
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import re
 
@@ -403,13 +402,6 @@ class _Lowering:
 
     def _grad_sync_graph(self) -> fx.GraphModule:
         return grad_sync_graph(self)
-
-
-def flattened_axes(plan: Plan) -> list[tuple[int, ...]]:
-    """Every combination of two or more of the plan's mesh axes (in mesh order): the flattened groups a rank
-    holds (RankSpec.flat_groups), on which a collective over several axes runs once (redistribute.Step.flat)."""
-    n = len(plan.mesh.shape)
-    return [axes for k in range(2, n + 1) for axes in itertools.combinations(range(n), k)]
 
 
 def _random_dropout(node: fx.Node) -> bool:

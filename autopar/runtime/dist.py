@@ -2,7 +2,7 @@
 across ranks on one plan and one dropout seed."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
-from autopar.program import RankSpec
+from autopar.program import RankSpec, flat_combinations
 from autopar.runtime.state import mesh_coords
 
 
@@ -38,15 +38,16 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          "product is the world size)")
 
 
-def rank_spec(mesh: DeviceMesh, flatten: Iterable[tuple[int, ...]] = ()) -> RankSpec:
-    """This rank's coordinates and the process group behind each axis of a real mesh, plus the flattened
-    groups over the axes tuples in `flatten` (created here, so every rank must pass the same ones)."""
+def rank_spec(mesh: DeviceMesh) -> RankSpec:
+    """This rank's coordinates and the process group behind each axis of a real mesh, plus a flattened group
+    over every combination of two or more axes (redistribute.Step.flat: a collective over several axes runs
+    once on it). Creating a group is collective: every rank calls this, in the same order."""
     from autopar import _torch_compat as compat
 
     names = tuple(mesh.mesh_dim_names)
     groups = tuple(compat.group_name_of(mesh, n) for n in names)
     flat = tuple((axes, compat.flattened_group_name(mesh, tuple(names[a] for a in axes)))
-                 for axes in sorted(set(flatten)))
+                 for axes in flat_combinations(len(names)))
     return RankSpec(names, tuple(int(s) for s in mesh.mesh.shape), mesh_coords(mesh), groups, mesh.device_type,
                     flat)
 
