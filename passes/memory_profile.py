@@ -266,14 +266,13 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
 
 
 def redistributed_saved_views(ctx: PassContext) -> float:
-    """Bytes the profile does not see under ctx.choice: a forward view whose input is redistributed (its layout
-    differs from the producer's) views the redistributed copy, not its producer's allocation, and where the
+    """Bytes this profile does not count under ctx.choice: a forward view whose input is redistributed (its
+    layout differs from the producer's) views the redistributed copy, not its producer's allocation, and where the
     backward reads it (or a view of it), codegen saves that copy to the end of the backward (a sequence-parallel
-    norm's output gathered for the MLP, its flattened view saved for the weight gradient). The profile counts
-    such a view as its producer's allocation; the copy comes on top, at the view's own layout, counted at
-    every point (the peak is in the backward, where saved values are live), once per value and layout.
-    Parameter-derived values are
-    gathered again in backward, and are not saved."""
+    norm's output gathered for the MLP, its flattened view read again for the weight gradient); the profile
+    counts such a view as its producer's allocation. Once per value and layout (codegen makes one copy), which
+    memory rows over pairs of layouts cannot express; how far a plan's measured peak may exceed its figure.
+    Parameter-derived values are gathered again in backward, and are not saved."""
     cap = ctx.captured
     params = set(cap.params.values())
     copies: dict[tuple, float] = {}  # (value, layout) -> bytes: views of one copy share it (codegen makes it once)

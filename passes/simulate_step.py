@@ -16,7 +16,7 @@ from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.codegen.grad_sync import in_turn
 from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
-from autopar.passes.memory_profile import buffer_bytes, memory_profile, redistributed_saved_views
+from autopar.passes.memory_profile import buffer_bytes, memory_profile
 from autopar.redistribute import plan_steps
 from autopar.rules.base import flat_tensor_args, op_info
 from autopar.strategy import FP8_TENSORWISE_AG
@@ -424,7 +424,6 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     prof = memory_profile(ctx)
     _, peak, point = prof.peak(ctx.choice)
     live_grads = prof.gradients_at(ctx.choice, point)
-    peak += redistributed_saved_views(ctx) if ctx.pipeline is None else 0.0
     if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py), but
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())

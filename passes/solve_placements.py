@@ -14,7 +14,7 @@ from autopar.errors import InfeasibleMemoryError, SolverTimeout
 from autopar.passes import recompute_variants
 from autopar.passes.context import PassContext
 from autopar.passes.annotate_shapes import producer
-from autopar.passes.memory_profile import GRADIENT_TERM, candidate_points, memory_profile, redistributed_saved_views
+from autopar.passes.memory_profile import GRADIENT_TERM, candidate_points, memory_profile
 from autopar.solver import IlpProblem, solve_bounded
 from autopar.solver.bounded import Bounded, least_memory
 from autopar.solver.ilp import OPTIMALITY_TOLERANCE, IlpEdge, IlpLink, IlpResult, MemoryRows, ProgramInfeasible
@@ -482,7 +482,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     program with its own buffers, it is the plan rather than that error. The error's `fitting` holds (choice,
     variants) of a plan the solve passed over for a faster one that did not fit with its buffers, where one fits
     with its own (else None)."""
-    from autopar.passes.simulate_step import grad_bucket_bytes, simulate
+    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes, simulate
 
     reserve = _reserve(ctx) if reserve is None else reserve
     report = ctx.progress.update if ctx.progress is not None else None
@@ -522,9 +522,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         candidates = [out.result] + out.alternatives
         result = _fastest(ctx, reduced, candidates)
         _adopt(ctx, reduced, result)
-        # Where the rows count the gradient buffers, the saved redistributed views are still beside them.
-        buckets = grad_bucket_bytes(ctx) + _beside_rows(ctx) if resolved else \
-            redistributed_saved_views(ctx) if ctx.pipeline is None else 0.0
+        buckets = grad_bucket_bytes(ctx) + gathered_param_bytes(ctx) if resolved else 0.0
         # A plan that fits with its own buckets is a plan of the program setting them aside too (a tighter one,
         # whose optimum the bound found holds under): it is kept rather than solved for again.
         if buckets <= reserve or _peak(ctx, ctx.choice) <= ctx.memory_limit:
@@ -563,10 +561,12 @@ def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start
     that plan is faster, reporting the lower of its bound and `bound`, else None (nothing adopted)."""
     from autopar.passes.simulate_step import simulate
 
+    from autopar.passes.simulate_step import gathered_param_bytes
+
     if _grad_buffers(ctx) or not _grad_buffers(ctx, bound=True):
         return None
     ctx.choice = dict(start)
-    aside = _beside_rows(ctx)  # the rows do not hold the gathered parameters: set aside, as `start`'s
+    aside = gathered_param_bytes(ctx)  # the rows do not hold the gathered parameters: set aside, as `start`'s
     for _ in range(2):  # and once more with the plan's own, where they take more
         problem = build_problem(ctx, float(ctx.memory_limit) - aside, joint, bound_buffers=True)
         reduced = reduce_problem(problem, keep=start)
@@ -583,7 +583,7 @@ def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start
         _adopt(ctx, reduced, result)
         if _peak(ctx, ctx.choice) <= ctx.memory_limit:
             break
-        aside = max(aside, _beside_rows(ctx))
+        aside = max(aside, gathered_param_bytes(ctx))
     if _peak(ctx, ctx.choice) > ctx.memory_limit or simulate(ctx).step_time >= step:
         return None
     # The program's own bound holds under its buffers' upper bound only.
@@ -641,22 +641,13 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 
 
 def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
-    """The gradient buffers, gathered parameters and saved redistributed views `choice` needs beside its peak
-    (none under a pipeline)."""
-    from autopar.passes.simulate_step import grad_bucket_bytes
+    """The gradient buffers and gathered parameters `choice` needs beside its peak (none under a pipeline)."""
+    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return grad_bucket_bytes(ctx) + _beside_rows(ctx)
-
-
-def _beside_rows(ctx: PassContext) -> float:
-    """What ctx.choice holds beside the rows other than its gradient buffers: FSDP's gathered parameters and the
-    redistributed copies its saved views hold (memory_profile.redistributed_saved_views)."""
-    from autopar.passes.simulate_step import gathered_param_bytes
-
-    return gathered_param_bytes(ctx) + redistributed_saved_views(ctx)
+    return grad_bucket_bytes(ctx) + gathered_param_bytes(ctx)
 
 
 def _peak(ctx: PassContext, choice: dict[str, int]) -> float:
