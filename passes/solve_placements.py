@@ -725,8 +725,25 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
         _raise_infeasible(ctx, smallest)
     try:
         return _solve_from(ctx, choice, variants)
-    except (ProgramInfeasible, SolverTimeout):
-        _raise_infeasible(ctx, smallest)
+    except ProgramInfeasible:  # it fits as simulated: the plan, whatever the program says of it
+        return _least_peak_plan(ctx, smallest, timed_out=False)
+    except SolverTimeout:
+        return _least_peak_plan(ctx, smallest, timed_out=True)
+
+
+def _least_peak_plan(ctx: PassContext, smallest: tuple, timed_out: bool) -> tuple:
+    """The plan of least peak itself, as _solve_one returns a plan, where it fits the limit but no solve from it
+    returned one (the deadline passed, or the program's rows count it over the limit): its time, and no bound
+    (its gap is reported as 100%)."""
+    figure, variants, choice = smallest
+    recompute_variants.apply(ctx, variants)
+    problem = build_problem(ctx, None)
+    reduced = reduce_problem(problem, keep=choice)
+    known = reduced.restrict({k: choice[k] for k in problem.n_strategies})
+    result = IlpResult(known, reduced.problem.objective(known), 0.0, False,
+                       {"status": "FEASIBLE", "memory_binds": True})
+    _adopt(ctx, reduced, result)
+    return problem, Bounded(result, "plan of least peak", timed_out), reduced, result, dict(ctx.recompute), 0.0
 
 
 def _solve_from(ctx: PassContext, choice: dict[str, int], variants: dict[str, str]) -> tuple:

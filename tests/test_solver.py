@@ -222,6 +222,27 @@ def test_the_verdict_counts_a_plans_own_gradient_buffers_and_a_limit_at_it_plans
         _plan_stack(smallest * (1 - 1e-3))
 
 
+def test_a_plan_of_least_peak_that_fits_is_the_plan_where_no_solve_from_it_returns_one(monkeypatch):
+    """Where the plan of least peak fits the limit but the solve started from it returns nothing (the deadline
+    passed, or rows counting it over the limit), that plan is returned, with no bound, not an infeasible verdict
+    naming a peak within the limit."""
+    from autopar.errors import InfeasibleMemoryError
+    from autopar.passes import solve_placements
+    from autopar.solver.ilp import ProgramInfeasible
+
+    with pytest.raises(InfeasibleMemoryError) as e:
+        _plan_stack(1000.0)
+    smallest = e.value.smallest_peak
+
+    def refuse(*args, **kwargs):
+        raise ProgramInfeasible("no plan")
+
+    monkeypatch.setattr(solve_placements, "_solve_from", refuse)
+    p = _plan_stack(smallest * (1 + 1e-6))
+    assert p.peak_memory_per_rank == pytest.approx(smallest, rel=1e-6)
+    assert p.solver_stats["path"] == "plan of least peak" and p.solver_stats["gap"] == 1.0
+
+
 def _toy_problem(limit_mib: float | None) -> IlpProblem:
     """Two keys, a layout change between them, and a memory row: replicated (0) or sharded (1) storage."""
     edge = IlpEdge("a", "b", [0, 1], [0, 1], [[0.0, 5e-4], [5e-4, 0.0]])
