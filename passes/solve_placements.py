@@ -732,9 +732,12 @@ def _fit_smallest(ctx: PassContext, smallest: tuple) -> tuple:
 
 
 def _least_peak_plan(ctx: PassContext, smallest: tuple, timed_out: bool) -> tuple:
-    """The plan of least peak itself, as _solve_one returns a plan, where it fits the limit but no solve from it
-    returned one (the deadline passed, or the program's rows count it over the limit): its time, and no bound
-    (its gap is reported as 100%)."""
+    """The plan of least peak itself, as _solve_one returns a plan, where it fits the limit as the step simulator
+    counts it (with its microbatches' accumulation buffers, which `smallest`'s figure leaves out) but no solve
+    from it returned one (the deadline passed, or the program's rows count it over the limit): its time, and no
+    bound (its gap is reported as 100%). Else the infeasible verdict."""
+    from autopar.passes.simulate_step import simulate
+
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
     problem = build_problem(ctx, None)
@@ -743,6 +746,8 @@ def _least_peak_plan(ctx: PassContext, smallest: tuple, timed_out: bool) -> tupl
     result = IlpResult(known, reduced.problem.objective(known), 0.0, False,
                        {"status": "FEASIBLE", "memory_binds": True})
     _adopt(ctx, reduced, result)
+    if simulate(ctx).peak_memory > ctx.memory_limit:
+        _raise_infeasible(ctx, smallest)
     return problem, Bounded(result, "plan of least peak", timed_out), reduced, result, dict(ctx.recompute), 0.0
 
 
@@ -766,14 +771,18 @@ def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
 
 def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     """Say how far the smallest peak is from fitting, and what fills it."""
+    from autopar.passes.simulate_step import _accumulation_bytes
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
     reserve = _buckets(ctx, choice)
-    static += reserve
+    # Under microbatches the gradients accumulate in their produced layouts beyond the reduced ones (the rows
+    # bound it; the step simulator counts it exactly, as here).
+    accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 and ctx.pipeline is None else 0.0
+    static += reserve + accumulation
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
-    consumers.append((reserve, "gradient buckets"))
+    consumers += [(reserve, "gradient buckets"), (accumulation, "gradient accumulation")]
     consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[prof.key_of(k)]]),
                    k.split("/", 1)[-1].removesuffix(GRADIENT_TERM) + " (gradient)" if k in prof.term_key else k)
                   for c, k in enumerate(prof.keys)]

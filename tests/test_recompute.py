@@ -458,7 +458,7 @@ def test_measured_peak_memory_is_at_most_the_plans_and_within_10_percent_of_it()
     recipes. The plan's figure bounds the measured one (a plan that fits a limit fits it when it runs), and is
     within 10% of it (measured 0.94-0.99), but for the redistributed copies saved views hold, which the memory
     model does not count (memory_profile.redistributed_saved_views: the Megatron recipe's gathered MLP inputs,
-    0.4 MB beyond its figure)."""
+    0.38 MiB beyond its figure)."""
     from autopar import recipes
     from autopar.compiler import compile_plan
     from autopar.mesh import MeshSpec
