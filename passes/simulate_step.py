@@ -419,7 +419,7 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     grad_b = trained * torch.tensor([], dtype=p.grad_dtype).element_size()
     opt_b = trained * p.optimizer_state_bytes_per_param
     master = trained * 4 if getattr(p, "master_weights", False) and p.param_dtype != torch.float32 else 0
-    accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
+    accumulation = accumulation_bytes(ctx) if ctx.microbatches > 1 else 0
     buckets = grad_bucket_bytes(ctx)
     prof = memory_profile(ctx)
     _, peak, point = prof.peak(ctx.choice)
@@ -581,7 +581,7 @@ def bucket_reserve(ctx: PassContext) -> float:
     return float(min(BUCKET_BYTES, total))
 
 
-def _accumulation_bytes(ctx: PassContext) -> float:
+def accumulation_bytes(ctx: PassContext) -> float:
     """Gradients accumulate over microbatches in the layout they are produced in and are reduced once per step
     into the gradient buffers (counted under "grads"), which are empty until then (zero_grad sets them to
     None): what a produced layout holds beyond its parameter's (a full-size Partial gradient of an FSDP shard)

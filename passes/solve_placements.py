@@ -771,7 +771,7 @@ def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
 
 def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     """Say how far the smallest peak is from fitting, and what fills it."""
-    from autopar.passes.simulate_step import _accumulation_bytes
+    from autopar.passes.simulate_step import accumulation_bytes
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
     prof = memory_profile(ctx)
@@ -779,7 +779,7 @@ def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     reserve = _buckets(ctx, choice)
     # Under microbatches the gradients accumulate in their produced layouts beyond the reduced ones (the rows
     # bound it; the step simulator counts it exactly, as here).
-    accumulation = _accumulation_bytes(ctx) if ctx.microbatches > 1 and ctx.pipeline is None else 0.0
+    accumulation = accumulation_bytes(ctx) if ctx.microbatches > 1 and ctx.pipeline is None else 0.0
     static += reserve + accumulation
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers += [(reserve, "gradient buckets"), (accumulation, "gradient accumulation")]

@@ -703,8 +703,9 @@ def test_a_limit_above_the_smallest_peak_is_not_given_the_plan_of_least_peak():
     """The example Llama on 2x2 at 0.35x of its unconstrained peak, recomputation off (the same path in less
     time): the plan of least peak (which ignores time) fits, but a plan within a few percent of the bound is
     found and kept (the plan of least peak took 589 ms per step, a gap of 79%; the plan kept 159 ms, found by the
-    warm starts now that a parameter may be sharded over both axes, where before it took the program whose rows
-    hold the gradient buffers at an upper bound to find one of 175 ms)."""
+    warm starts since parameters may be sharded over both axes and a start plan survives the dominance
+    reduction, where before it took the program whose rows hold the gradient buffers at an upper bound to find
+    one of 175 ms)."""
     torch.manual_seed(0)
     limit = 20.23 * 2**20  # 0.35x of the unconstrained plan's 57.80 MiB
     plan = autopar.plan(Llama(LLAMA_SMALL), autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu"),
