@@ -24,6 +24,13 @@ policy saves some ops. Random ops (dropout) are never recomputed, nor what reads
 so backward sees the masks forward drew. A value read by forward code outside its region (a layer's output,
 read by the next layer) is saved, not recomputed: recomputing it would chain every earlier layer into the
 backward of the last one.
+
+Whatever the variant, a forward view of an activation that the backward reads (a flattened matmul input, read
+again for the weight gradient) is derived again in the backward from the value it views, not saved
+(`rederived_views`): where the view reads that value in another layout (a sequence-parallel norm output gathered
+for the MLP), codegen would otherwise save the redistributed copy to the end of the backward, which the memory
+model does not count; the backward redistributes the saved value again instead (Megatron-LM's sequence-parallel
+weight gradient gathers its input again the same way), and the planner prices that second redistribution.
 """
 from __future__ import annotations
 
@@ -114,9 +121,57 @@ def model_checkpointed_layers(cap: Any) -> dict[str, list[int]]:
             for prefix, layers in _model_checkpointing(cap).items()}
 
 
+def rederived_views(cap: Any) -> frozenset[fx.Node]:
+    """Forward views of activations (not of parameters or values of parameters alone) that the backward reads,
+    directly or through further views: derived again in the backward rather than saved (module docstring)."""
+    cached = getattr(cap, "_rederived_views", None)
+    if cached is not None:
+        return cached
+    from autopar.cost.compute import VIEW_OPS
+
+    nodes = list(cap.gm.graph.nodes)
+    persistent = {n for n in nodes if n.op == "get_attr"
+                  or (n.op == "placeholder" and cap.names.get(n, "").split("/", 1)[0] != "input")}
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "call_function" or cap.phase.get(n) != "fwd" or not n.all_input_nodes:
+            continue
+        if all(a in persistent for a in n.all_input_nodes):
+            persistent.add(n)  # a value of parameters alone: gathered again in backward in any case
+            continue
+        if n.target is operator.getitem:
+            if n.args[0] in out:  # an element of a split of a view
+                out.add(n)
+            continue
+        a = n.all_input_nodes[0]
+        if getattr(n.target, "overloadpacket", None) in VIEW_OPS and a not in persistent and _read_in_backward(cap, n):
+            out.add(n)
+    cap._rederived_views = frozenset(out)
+    return cap._rederived_views
+
+
+def _read_in_backward(cap: Any, v: fx.Node) -> bool:
+    """Whether a backward op reads v or a view of it."""
+    from autopar.cost.compute import VIEW_OPS
+
+    todo, seen = [v], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if cap.phase.get(u) == "bwd":
+                return True
+            if u.target is operator.getitem or getattr(u.target, "overloadpacket", None) in VIEW_OPS:
+                todo.append(u)
+    return False
+
+
 def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) -> set[fx.Node]:
     """Forward nodes of `cap` that backward recomputes under `variants` ({stack prefix: variant}), together with
-    the model's own checkpointed regions (without them: model=False, to say what they save)."""
+    the model's own checkpointed regions (without them: model=False, to say what they save), and the views the
+    backward derives again (`rederived_views`)."""
     region: dict[fx.Node, tuple] = {}
     for n in cap.checkpointed if model else ():
         region[n] = ("checkpoint", compat.checkpoint_region(n))
@@ -150,7 +205,7 @@ def recomputed_nodes(cap: Any, variants: Mapping[str, str], model: bool = True) 
         if any(u.op == "call_function" and cap.phase.get(u) == "fwd" and home(u) != r for u in n.users):
             continue
         out.add(n)
-    return out
+    return out | rederived_views(cap)
 
 
 def plan_variants(plan: Any) -> dict[str, str]:

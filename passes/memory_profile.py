@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import VIEW_OPS, param_state_bytes
-from autopar.passes.annotate_shapes import _scale, producer
+from autopar.passes.annotate_shapes import _scale
 from autopar.passes.context import PassContext
 
 
@@ -263,50 +263,6 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
         for key, b in buffer_bytes(ctx).items():
             out[key] = out.get(key, 0.0) + b
     return out
-
-
-def redistributed_saved_views(ctx: PassContext) -> float:
-    """Bytes this profile does not count under ctx.choice: a forward view whose input is redistributed (its
-    layout differs from the producer's) views the redistributed copy, not its producer's allocation, and where the
-    backward reads it (or a view of it), codegen saves that copy to the end of the backward (a sequence-parallel
-    norm's output gathered for the MLP, its flattened view read again for the weight gradient); the profile
-    counts such a view as its producer's allocation. Once per value and layout (codegen makes one copy), which
-    memory rows over pairs of layouts cannot express; how far a plan's measured peak may exceed its figure.
-    Parameter-derived values are gathered again in backward, and are not saved."""
-    cap = ctx.captured
-    params = set(cap.params.values())
-    copies: dict[tuple, float] = {}  # (value, layout) -> bytes: views of one copy share it (codegen makes it once)
-    for v in cap.gm.graph.nodes:
-        if (v.op != "call_function" or cap.phase.get(v) != "fwd" or not v.all_input_nodes
-                or getattr(v.target, "overloadpacket", None) not in VIEW_OPS):
-            continue
-        a = v.all_input_nodes[0]
-        if a in params or a in ctx.param_derived or a.op not in ("call_function", "placeholder"):
-            continue
-        u, idx = producer(a)
-        if u.op == "placeholder" and cap.names.get(u, "").split("/", 1)[0] != "input":
-            continue
-        dst = ctx.chosen(ctx.key[v]).ins[0]
-        if dst is None or tuple(dst) == tuple(ctx.chosen(ctx.key[u]).outs[idx]) or not _read_in_backward(cap, v):
-            continue
-        copies[(a, tuple(dst))] = float(_key_bytes(ctx, v)[ctx.choice[ctx.key[v]]]) * _scale(ctx, v)[1]
-    return sum(copies.values())
-
-
-def _read_in_backward(cap, v: fx.Node) -> bool:
-    """Whether a backward op reads v or a view of it."""
-    todo, seen = [v], set()
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u in seen or u.op != "call_function":
-                continue
-            seen.add(u)
-            if cap.phase.get(u) == "bwd":
-                return True
-            if u.target is operator.getitem or getattr(u.target, "overloadpacket", None) in VIEW_OPS:
-                todo.append(u)
-    return False
 
 
 def buffer_bytes(ctx: PassContext) -> dict[str, np.ndarray]:

@@ -26,6 +26,7 @@ class Builder:
         self.constants: dict[str, torch.Tensor] = {}
         self.recompute: set[fx.Node] = set()  # nodes of activation-checkpointed regions (see partition)
         self.in_checkpoint = False  # set while lowering a checkpointed node: what it emits is recomputed too
+        self.log: list[fx.Node] | None = None  # where set, every node emitted is appended to it
 
     def constant(self, name: str, value: torch.Tensor) -> fx.Node:
         """A tensor the program holds (a constant the model built while tracing): the same on every rank."""
@@ -62,6 +63,8 @@ class Builder:
         self.phase[node] = phase
         if self.in_checkpoint:
             self.recompute.add(node)
+        if self.log is not None:
+            self.log.append(node)
         return node
 
     def output(self, values: Any) -> fx.Node:

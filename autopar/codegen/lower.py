@@ -83,6 +83,7 @@ class _Lowering:
         self.b = Builder()
         self.env: dict[fx.Node, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
+        self.emitted: dict[tuple, list[fx.Node]] = {}  # the nodes each cached redistribution emitted
         self.buckets: list[GatherBucket] = []
         self.bucket_of: dict[tuple, int] = {}  # (param, layout) -> index into buckets
         self.gathered: dict[tuple, fx.Node] = {}  # (param, layout) -> the param's local value in that layout
@@ -299,10 +300,17 @@ class _Lowering:
             return new
         key = (new, dst, phase)
         if key not in self.cache:
+            self.b.log = self.emitted[key] = []
             try:
                 self.cache[key] = redistribute(self.b, new, src, dst, self.rank, phase, hint=new.name, what=what)
             except CodegenError as e:
                 raise CodegenError(f"redistributing {what} from {fmt_layout(src)} to {fmt_layout(dst)}: {e}") from e
+            finally:
+                self.b.log = None
+        elif self.b.in_checkpoint:
+            # Made for a reader the backward does not recompute, and read by one it does: the backward makes it
+            # again from the saved value too, rather than saving the copy.
+            self.b.recompute.update(self.emitted[key])
         return self.cache[key]
 
     def _call(self, node: fx.Node) -> fx.Node:
