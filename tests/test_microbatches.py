@@ -277,7 +277,8 @@ def test_program_of_several_microbatches_reduces_gradients_in_grad_sync_only():
     one = Plan.from_json(plan_json("fsdp_tp", 1))
     whole = autopar.program(one, 3, model=model, example_inputs=inputs, loss_fn=lm_loss)
     assert "reduce_scatter" in {k for _, k, _ in buckets(prog)}
-    assert buckets(prog) == [("grad_sync", k, b) for _, k, b in buckets(whole)]
+    assert {g for g, _, _ in buckets(prog)} == {"grad_sync"}
+    assert {g for g, _, _ in buckets(whole)} == {"backward"}  # one microbatch: reduced in the backward
     grad_of = [c for c in prog.collectives if "gradient of" in (c.value or "")]
     assert grad_of and all(c.graph == "grad_sync" for c in grad_of)
     assert "# grad_sync" in prog.code() and "grad_sync" in str(prog)
