@@ -312,8 +312,11 @@ def test_frozen_weights_hold_no_gradient_or_optimizer_state_in_the_memory_model(
                 model.model.embed_tokens.weight.requires_grad_(False)  # tied with lm_head: one tensor
             plans[freeze, m] = autopar.plan(
                 model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), args, example_kwargs=kwargs,
-                config=Config(solver=QUIET, template_layers=None, pins={"*": (Shard(0), Shard(0))}, microbatches=m,
-                              input_placements={0: (Shard(0), Shard(0))}))
+                config=Config(solver=QUIET, template_layers=None, microbatches=m,
+                              input_placements={0: (Shard(0), Shard(0))},
+                              # FSDP over both axes, matmuls batch-sharded (the recipe): the frozen model's plan
+                              # places its activations as the other's, so their peaks compare.
+                              pins={"*": (Shard(0), Shard(0)), "act:*/fwd/*mm*": (Shard(0), Shard(0))}))
     embed = 128 * 64 // 4  # elements of the embedding on each rank
     # With two microbatches the gradient buffers hold the accumulated gradients over the whole step: the frozen
     # embedding has none, nor optimizer state.
