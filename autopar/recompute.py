@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from autopar import _torch_compat as compat
+from autopar.cost.compute import VIEW_OPS
 
 VARIANTS = ("keep", "selective", "full")  # the variants every layer stack takes; partial ones are "full/r"
 
@@ -127,8 +128,6 @@ def rederived_views(cap: Any) -> frozenset[fx.Node]:
     cached = getattr(cap, "_rederived_views", None)
     if cached is not None:
         return cached
-    from autopar.cost.compute import VIEW_OPS
-
     nodes = list(cap.gm.graph.nodes)
     persistent = {n for n in nodes if n.op == "get_attr"
                   or (n.op == "placeholder" and cap.names.get(n, "").split("/", 1)[0] != "input")}
@@ -152,8 +151,6 @@ def rederived_views(cap: Any) -> frozenset[fx.Node]:
 
 def _read_in_backward(cap: Any, v: fx.Node) -> bool:
     """Whether a backward op reads v or a view of it."""
-    from autopar.cost.compute import VIEW_OPS
-
     todo, seen = [v], set()
     while todo:
         n = todo.pop()
