@@ -457,7 +457,6 @@ def build_small():
     return Llama(LLAMA_SMALL), (tokens,), cross_entropy_loss
 
 
-@pytest.mark.slow
 def _copies_of_collectives(gm) -> set[str]:
     """Forward values that are a collective's output or data moved from one (a view, a chunk, a cat of them):
     the redistributed copies codegen makes."""
@@ -501,6 +500,7 @@ def test_the_backward_saves_no_redistributed_copy(recipe):
         assert not copies & set(prog.saved), sorted(copies & set(prog.saved))
 
 
+@pytest.mark.slow
 def test_measured_peak_memory_is_at_most_the_plans_and_within_10_percent_of_it():
     """Peak live tensor bytes of a step after a warm-up step (autopar.testing.memory), on every rank, against
     plan.peak_memory_per_rank: the solver's plan with and without recomputation, and the DP, FSDP and Megatron
