@@ -72,6 +72,7 @@ def simulate(ctx: PassContext) -> Simulation:
     deferred: list[tuple] = []
     rerun: set[fx.Node] = set()
     gathers = _param_gathers(ctx)
+    persistent = set(cap.params.values()) | set(cap.buffers.values())
     gathered: dict[tuple[int, str], list[float]] = {}  # (group, phase) -> when each member is there
     alone = None  # the gradient redistributed by itself in flight: (its redistribution, first step's end, ...)
 
@@ -85,14 +86,14 @@ def simulate(ctx: PassContext) -> Simulation:
 
     def recompute_moves(again: list[fx.Node], start: float) -> float:
         """A recomputed region runs again with its collectives (codegen): the layout changes of the activations
-        its ops read, once per value and layout, ready before it computes. Parameters are gathered for the
-        backward in any case."""
+        (and inputs) its ops read, once per value and layout, ready before it computes. Parameters are gathered
+        for the backward in any case."""
         done = start
         for n in again:
             strat, info, scale = ctx.chosen(ctx.key[n]), op_info(n), _scale(ctx, n)[1]
             for i, a in enumerate(_tensor_args(n)):
                 u = producer(a)[0]
-                if u.op == "placeholder" or u in ctx.param_derived:
+                if u in persistent or u in ctx.param_derived:
                     continue
                 dtype = compute_dtype(info.inputs[i].dtype, ctx)
                 key = (a, tuple(strat.ins[i]), dtype, "recompute")

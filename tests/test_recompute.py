@@ -275,12 +275,15 @@ def test_recomputing_costs_time_and_saves_activation_memory():
 
 
 @pytest.mark.slow
-def test_recomputed_regions_redistribute_again_and_both_models_price_it():
+@pytest.mark.parametrize("case", ["full", "gathered view"])
+def test_recomputed_regions_redistribute_again_and_both_models_price_it(case):
     """Codegen runs a recomputed region again with its collectives (the Megatron layers' all-reduces of partial
-    sums): the step simulator schedules them again, and the integer program charges exactly as much."""
+    sums), and without recomputation the views the backward derives again (the sequence-parallel inputs of the
+    matmuls, gathered again): the step simulator schedules them again, and the integer program charges exactly
+    as much."""
     from autopar.passes import solve_placements as sp
 
-    ctx = compiled("llama", "full").ctx
+    ctx = (compiled("llama", "full") if case == "full" else gathered_view_compiled()).ctx
     again = [e - b for lane, label, b, e in ctx.simulation.timeline
              if lane.startswith("comm:") and label.startswith("recompute ")]
     assert again and sum(again) > 0
@@ -498,6 +501,58 @@ def test_the_backward_saves_no_redistributed_copy(recipe):
         copies = _copies_of_collectives(prog.forward)
         assert copies, "the plan redistributes activations"
         assert not copies & set(prog.saved), sorted(copies & set(prog.saved))
+
+
+@functools.lru_cache(maxsize=None)
+def gathered_view_compiled():
+    """The Megatron plan of the tiny Llama with the MLP's norm output sequence-parallel and its flattened views
+    for the w1/w3 matmuls pinned replicated on tp: each view reads a gathered copy, and the backward reads the
+    views for the weight gradients."""
+    model, inputs, loss_fn = build("llama")
+    cfg = _megatron("llama", model, inputs)
+    cfg["pins"] = dict(cfg["pins"], **{"act:*ffn_norm/fwd/mul#1": (Shard(0), Shard(1)),
+                                       "act:*feed_forward.w1/fwd/view": (Shard(0), R)})
+    comp = compile_plan(model, autopar.fake_mesh(SHAPE, NAMES, "cpu"), inputs, loss_fn=loss_fn,
+                        config=Config(solver=QUIET, recompute="off", **cfg), template_layers=None)
+    again = [label for lane, label, _, _ in comp.ctx.simulation.timeline
+             if lane.startswith("comm:") and label.startswith("recompute ") and "feed_forward" in label]
+    assert again, "the plan gathers no view's input again in the backward"
+    return comp
+
+
+def step_and_saved_copies(text: str) -> dict:
+    """On every rank: the loss and full gradients of one step of the plan, and the saved tensors of its program
+    that are redistributed copies."""
+    from autopar.testing.dist import cpu_mesh
+
+    model, inputs, loss_fn = build("llama")
+    pm = autopar.parallelize(model, cpu_mesh(tuple(SHAPE), tuple(NAMES)), inputs, loss_fn=loss_fn,
+                             plan=Plan.from_json(text), seed=0)
+    loss = pm(*inputs)
+    loss.backward()
+    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for k, p in pm.named_parameters() if p.grad is not None}
+    prog = pm.program()
+    return {"loss": loss.detach().clone(), "grads": grads,
+            "saved_copies": sorted(_copies_of_collectives(prog.forward) & set(prog.saved)),
+            "gathers_again": sum("all_gather" in str(n.target) for n in prog.backward.graph.nodes)}
+
+
+@pytest.mark.slow
+def test_a_view_of_a_gathered_activation_is_gathered_again_in_the_backward():
+    """Where a flattened matmul input is a gathered sequence-parallel activation (pinned so), the backward gathers
+    it again for the weight gradient instead of saving the gathered copy: on 4 gloo ranks the step's loss and
+    gradients are the single device's, and no rank saves a redistributed copy."""
+    from autopar.testing.compare import assert_all_close, grad_pairs
+
+    model, inputs, loss_fn = build("llama")
+    loss = loss_fn(model(*inputs), *inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    results = get_pool(4).run(step_and_saved_copies, gathered_view_compiled().plan.to_json())
+    for res in results:
+        assert res["saved_copies"] == [] and res["gathers_again"] > 0, res["saved_copies"]
+        assert_all_close([("loss", res["loss"], loss.detach())] + grad_pairs(res["grads"], want))
 
 
 @pytest.mark.slow
