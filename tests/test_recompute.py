@@ -481,10 +481,10 @@ def _copies_of_collectives(gm) -> set[str]:
 
 @pytest.mark.parametrize("recipe", ["megatron", "solver"])
 def test_the_backward_saves_no_redistributed_copy(recipe):
-    """A forward view of a redistributed activation that the backward reads (the Megatron recipe's
-    sequence-parallel norm outputs gathered for the MLP, viewed flat for its matmuls) is derived again in the
-    backward from the saved activation, which the memory model counts: no saved tensor is a redistributed copy
-    (the Megatron plan saved eight views of four gathered copies, 1.0 MiB the model did not count)."""
+    """No saved tensor is a redistributed copy, which the memory model would not count. The Megatron recipe's
+    plan saved eight flattened views of four gathered sequence-parallel norm outputs (1.0 MiB uncounted); with the
+    second gather priced, its unpinned norm multiply now gathers before the views, and where a view does read a
+    gathered copy the backward derives it again (test_a_view_of_a_gathered_activation_is_gathered_again_in_the_backward)."""
     from autopar import recipes
     from autopar.mesh import MeshSpec
 
