@@ -772,8 +772,10 @@ def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
 def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     """Say how far the smallest peak is from fitting, and what fills it."""
     from autopar.passes.simulate_step import accumulation_bytes
+
     figure, variants, choice = smallest
     recompute_variants.apply(ctx, variants)
+    ctx.choice = choice  # accumulation_bytes reads the plan from ctx
     prof = memory_profile(ctx)
     static, act, point = prof.peak(choice)
     reserve = _buckets(ctx, choice)
