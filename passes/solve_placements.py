@@ -337,7 +337,7 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     turn, keeping activations first; when that program's memory does not bind, no recomputation can be faster
     and the others are skipped; the fastest plan (by the step simulator) of those that fit wins."""
     t0 = time.perf_counter()
-    found, smallest, timeout = [], None, None
+    found, timeout = [], None
     # Where keeping every activation fits whatever the placements, no selector is needed (nor built).
     joint = recompute_variants.joint(ctx) if ctx.recompute_offered and _may_bind(ctx) else None
     fitting = None  # a plan that fits with its own gradient buffers, passed over for one that did not
@@ -354,7 +354,8 @@ def solve_placements_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         found.append(solved)
         if not solved[1].result.stats.get("memory_binds", True):
             break
-    repriced = joint is not None and found and _reprice(ctx, found)
+    # A bool: `found` itself is falsy here when empty, and filled below by the verdict's search.
+    repriced = bool(joint is not None and found and _reprice(ctx, found))
     if not found:
         if timeout is not None:
             raise timeout from None

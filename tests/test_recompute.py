@@ -340,6 +340,28 @@ def _tiny_plan(limit_kib: float | None, recompute: str = "auto") -> Plan:
                                       memory_limit_gb=None if limit_kib is None else limit_kib * 2**10 / 2**30))
 
 
+def test_a_plan_from_the_verdicts_search_is_not_reported_as_repriced(monkeypatch):
+    """Where the joint solve finds no plan that fits and the plan comes from the search behind the infeasible
+    verdict, the solver stats say the joint program chose the variants ("joint"), not that a joint plan was
+    solved again with them fixed: the flag had been the list of plans found, empty when tested and filled by
+    that search."""
+    from autopar.passes import solve_placements as sp
+    from autopar.solver.ilp import ProgramInfeasible
+
+    solve_one, calls = sp._solve_one, []
+
+    def first_finds_nothing(ctx, *a, **k):
+        calls.append(k.get("start"))
+        if len(calls) == 1:
+            raise ProgramInfeasible("no plan fits with its gradient buffers")
+        return solve_one(ctx, *a, **k)
+
+    monkeypatch.setattr(sp, "_solve_one", first_finds_nothing)
+    plan = _tiny_plan(3800)
+    assert len(calls) == 2 and calls[1] is not None  # solved again from the plan of least peak
+    assert plan.solver_stats["recompute"] == "joint" and plan.peak_memory_per_rank <= 3800 * 2**10
+
+
 @pytest.mark.slow
 def test_the_solver_recomputes_only_where_memory_binds():
     free = _tiny_plan(None)

@@ -26,8 +26,10 @@ def measure_step(module: Any, optimizer: Any, step: Callable[[], Any]) -> tuple[
 
 
 def measure_plan_step(build: Callable[[], tuple], plan_json: str, lr: float = 1e-3) -> dict:
-    """On every rank of a gloo pool (autopar.testing.dist): parallelize `build()`'s (model, inputs, loss_fn)
-    under the plan, run a warm-up step of AdamW, and measure the next step (`measure_step`)."""
+    """On every rank of a gloo pool (autopar.testing.dist): parallelize `build()`'s (model, inputs, loss_fn) or
+    (model, inputs, loss_fn, kwargs) under the plan (a model without loss_fn returns its loss, or an output with
+    `.loss`, as transformers models do), run a warm-up step of AdamW, and measure the next step
+    (`measure_step`)."""
     import torch
     from autopar.testing.dist import cpu_mesh
 
@@ -35,14 +37,16 @@ def measure_plan_step(build: Callable[[], tuple], plan_json: str, lr: float = 1e
     from autopar.plan import Plan
 
     plan = Plan.from_json(plan_json)
-    model, inputs, loss_fn = build()
+    model, inputs, loss_fn, *rest = build()
+    kwargs = rest[0] if rest else {}
     mesh = cpu_mesh(tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
-    pm = autopar.parallelize(model, mesh, inputs, loss_fn=loss_fn, plan=plan, seed=0)
+    pm = autopar.parallelize(model, mesh, inputs, example_kwargs=kwargs or None, loss_fn=loss_fn, plan=plan, seed=0)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
 
     def step() -> None:
         opt.zero_grad()
-        pm(*inputs).backward()
+        out = pm(*inputs, **kwargs)
+        getattr(out, "loss", out).backward()
         opt.step()
 
     step()
