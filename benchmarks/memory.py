@@ -10,8 +10,12 @@
    (autopar.testing.memory), for the solver's plan with and without recomputation (selective, full, and the
    first 2 of the 4 layers in full, the others selective) and the DP, FSDP, FSDP+TP and Megatron recipes.
    With --tokens 4x8 (sequences x tokens), a step whose weights outweigh its activations.
+3. With --pressure: the same comparison for the solver's plans of small transformers models (hidden 64, 2 layers,
+   4 x 16 tokens or 4 images; autopar.testing.hf_models) on that mesh under memory limits of a fraction of their
+   unconstrained peak (--models, --fractions), the limit each plan was made for beside it.
 
 Usage: python benchmarks/memory.py [--405b] [--no-cpu] [--tokens 8x64]
+       python benchmarks/memory.py --pressure [--models bert,opt,qwen2,vit] [--fractions 1,0.7,0.5,0.3]
 """
 from __future__ import annotations
 
@@ -87,13 +91,59 @@ def cpu_table(batch: int = 8, seq: int = 64) -> None:
               f"{measured / p.peak_memory_per_rank:6.3f}")
 
 
+def build_hf(name: str):
+    """A small transformers model as measure_plan_step takes it: (model, inputs, None, keyword inputs)."""
+    from autopar.testing import hf_models
+
+    torch.manual_seed(0)
+    model, args, kwargs = hf_models.MODELS[name](batch=4, **({} if name in hf_models.IMAGE_MODELS else {"seq": 16}))
+    return model, args, None, kwargs or {}
+
+
+def pressure_table(models: list[str], fractions: list[float]) -> None:
+    import functools
+
+    from autopar.testing.dist import get_pool
+    from autopar.testing.memory import measure_plan_step
+
+    pool = get_pool(4)
+    mesh = autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")
+    print(f"\n{'model':8} {'limit':>5} {'limit KiB':>10} {'predicted':>10} {'measured':>10} {'ratio':>6}  techniques")
+    for name in models:
+        build = functools.partial(build_hf, name)
+        model, args, _, kwargs = build()
+        free = None
+        for f in fractions:
+            limit = None if f == 1 else f * free
+            try:
+                p = autopar.plan(model, mesh, args, example_kwargs=kwargs,
+                                 config=Config(solver=QUIET, memory_limit_gb=None if limit is None else limit / GIB))
+            except InfeasibleMemoryError as e:
+                print(f"{name:8} {f:5g} {limit / 2**10:10.1f} does not fit: smallest {e.smallest_peak / 2**10:.1f} KiB",
+                      flush=True)
+                continue
+            free = free or p.peak_memory_per_rank
+            measured = max(r["peak"] for r in pool.run(measure_plan_step, build, p.to_json()))
+            lim = "-" if limit is None else f"{limit / 2**10:.1f}"
+            print(f"{name:8} {f:5g} {lim:>10} {p.peak_memory_per_rank / 2**10:10.1f} {measured / 2**10:10.1f} "
+                  f"{measured / p.peak_memory_per_rank:6.3f}  {','.join(sorted(p.techniques)) or '-'}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--405b", dest="big", action="store_true", help="also plan Llama-3-405B (about a minute each)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the measured CPU table")
     ap.add_argument("--tokens", default="8x64", help="the CPU table's sequences x tokens per sequence")
     ap.add_argument("--cpu-only", action="store_true", help="only the measured CPU table")
+    ap.add_argument("--pressure", action="store_true", help="only the measured table of small transformers models "
+                                                            "under memory limits")
+    ap.add_argument("--models", default="bert,opt,qwen2,vit", help="the --pressure table's models")
+    ap.add_argument("--fractions", default="1,0.7,0.5,0.3", help="the --pressure table's limits, as fractions of "
+                                                                  "the unconstrained peak (1 first)")
     args = ap.parse_args()
+    if args.pressure:
+        pressure_table(args.models.split(","), [float(x) for x in args.fractions.split(",")])
+        return
     batch, seq = (int(x) for x in args.tokens.split("x"))
     if args.cpu_only:
         cpu_table(batch, seq)
