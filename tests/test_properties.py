@@ -100,10 +100,10 @@ def test_random_mlps_plan_validly_under_binding_memory_limits():
 def test_random_llamas_plan_validly_under_binding_memory_limits():
     outcomes = []
 
-    # Memory-bound Llama solves take many seconds below 0.8x of the peak until the memory-pressure issue lands.
-    @settings(SETTINGS, max_examples=3)
+    # Down to 0.3x of the peak, where some limits are below every plan's (the verdict is an outcome).
+    @settings(SETTINGS, max_examples=6)
     @given(heads=st.sampled_from([2, 4]), seq=st.sampled_from([8, 16]), batch=st.sampled_from([2, 4]),
-           mesh=MESHES, fraction=st.floats(0.8, 0.95))
+           mesh=MESHES, fraction=st.floats(0.3, 0.95))
     def run(heads, seq, batch, mesh, fraction):
         cfg = dataclasses.replace(LLAMA_TINY, n_layers=1, n_heads=heads, n_kv_heads=heads // 2)
         outcomes.append(_plan_under_binding_limit(Llama(cfg), (torch.zeros(batch, seq, dtype=torch.long),),
@@ -112,7 +112,8 @@ def test_random_llamas_plan_validly_under_binding_memory_limits():
 
     run()
     print("outcomes:", outcomes)
-    assert outcomes.count("sharded") >= len(outcomes) / 2, outcomes
+    planned = [o for o in outcomes if o in ("sharded", "replicated")]
+    assert planned and outcomes.count("sharded") >= len(planned) / 2, outcomes
 
 
 def test_a_plan_under_a_memory_limit_fits_it():
