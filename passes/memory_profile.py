@@ -260,8 +260,35 @@ def _static(ctx: PassContext, produced: set[fx.Node] = frozenset(), grads_only: 
         shard = np.array([_shard(s.outs[0], ctx.mesh.shape) for s in ctx.strategies[key]], dtype=float)
         out[key] = out.get(key, 0.0) + numel / shard * _scale(ctx, node)[1] * per_elem
     if not grads_only:
-        for key, b in buffer_bytes(ctx).items():
+        for key, b in [*buffer_bytes(ctx).items(), *input_bytes(ctx).items()]:
             out[key] = out.get(key, 0.0) + b
+    return out
+
+
+def input_bytes(ctx: PassContext) -> dict[str, np.ndarray]:
+    """Per key of a user input (the batch), the bytes one rank holds through the step under each of the key's
+    strategies. The runtime takes the rank's shard of the global batch and moves it to the device
+    (runtime.module._local_inputs): on a GPU mesh that is the shard's copy; on a CPU mesh the caller's global
+    batch is already on the device and a shard along dim 0 is a view of it, so the global batch counts, and a
+    shard along another dim is copied beside it."""
+    from torch.distributed.tensor import Shard
+
+    from autopar.passes.estimate_costs import local_bytes
+
+    out: dict[str, np.ndarray] = {}
+    for node in ctx.captured.inputs:
+        key, val = ctx.key.get(node), node.meta.get("val")
+        if key not in ctx.strategies or not isinstance(val, torch.Tensor):
+            continue
+        shape, sizes = tuple(val.shape), ctx.mesh.shape
+        per = []
+        for s in ctx.strategies[key]:
+            shard = local_bytes(shape, val.dtype, s.outs[0], sizes)
+            if ctx.mesh.device_type == "cpu":
+                copied = any(isinstance(p, Shard) and p.dim != 0 for p in s.outs[0])
+                shard = local_bytes(shape, val.dtype, (), sizes) + (shard if copied else 0)
+            per.append(shard)
+        out[key] = out.get(key, 0.0) + np.array(per, dtype=float)
     return out
 
 

@@ -16,7 +16,7 @@ from autopar.passes.annotate_shapes import _scale, producer
 from autopar.passes.context import PassContext
 from autopar.codegen.grad_sync import in_turn
 from autopar.passes.estimate_costs import compute_dtype, local_bytes, step_costs
-from autopar.passes.memory_profile import buffer_bytes, memory_profile
+from autopar.passes.memory_profile import buffer_bytes, input_bytes, memory_profile
 from autopar.redistribute import plan_steps
 from autopar.rules.base import flat_tensor_args, op_info
 from autopar.strategy import FP8_TENSORWISE_AG
@@ -429,10 +429,13 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
     buffers = sum(float(b[ctx.choice[k]]) for k, b in buffer_bytes(ctx).items())
+    inputs = sum(float(b[ctx.choice[k]]) for k, b in input_bytes(ctx).items())
     gathered = gathered_param_bytes(ctx)
-    static = param_b + buffers + grad_b + opt_b + master + accumulation + buckets + gathered
+    static = param_b + buffers + inputs + grad_b + opt_b + master + accumulation + buckets + gathered
     mem = {"params": int(param_b), "buffers": int(buffers), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
            "master_weights": int(master), "activations": int(peak - live_grads)}
+    if inputs:
+        mem["inputs"] = int(inputs)
     if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
         from autopar.passes.split_stages import stage_memory
 
