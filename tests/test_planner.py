@@ -732,3 +732,25 @@ def test_the_memory_breakdown_counts_the_buffers_the_step_reads():
     assert want > 0 and p.memory_breakdown["buffers"] == int(want), (p.memory_breakdown, want)
     assert sum(p.memory_breakdown.values()) == p.peak_memory_per_rank
 
+
+
+def test_the_input_batch_counts_as_the_rank_holds_it():
+    """The runtime moves the rank's shard of the global batch to the device: on a GPU mesh the plan counts that
+    shard (8 x 64 int64 tokens over dp=8: 512 bytes), on a CPU mesh the caller's whole batch, of which a dim-0
+    shard is a view (4096 bytes); both in the peak, whatever the plan's input layout."""
+    from autopar import recipes
+    from autopar.mesh import MeshSpec
+    from autopar.models.llama import LLAMA_TINY
+
+    tokens = torch.zeros(8, 64, dtype=torch.long)
+    with torch.device("meta"):
+        model = Llama(LLAMA_TINY)
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    ddp = recipes.recipe("ddp")(shapes, MeshSpec(("dp",), (8,), ("nvlink",), "cuda"), n_inputs=1)
+    gpu = autopar.plan(model, autopar.fake_mesh((8,), ("dp",)), (tokens,), loss_fn=cross_entropy_loss,
+                       config=autopar.Config(device="h100", solver=QUIET, **ddp))
+    assert gpu.inputs == [(Shard(0),)] and gpu.memory_breakdown["inputs"] == 512
+    cpu = autopar.plan(Llama(LLAMA_TINY), autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu"), (tokens,),
+                       loss_fn=cross_entropy_loss, config=autopar.Config(solver=QUIET))
+    assert cpu.memory_breakdown["inputs"] == 4096
+    assert sum(cpu.memory_breakdown.values()) == cpu.peak_memory_per_rank
