@@ -65,6 +65,19 @@ def _dims_of(p: Placement) -> list[int]:
     return [p.dim] if isinstance(p, Shard) else []
 
 
+def after_step(layout: Sequence[Placement], st: Step) -> tuple[Placement, ...]:
+    """The layout `st` leaves from `layout`."""
+    new = {"all_gather": R, "all_reduce": R, "chunk": Shard(st.dim) if st.dim is not None else R,
+           "reduce_scatter": Shard(st.dim) if st.dim is not None else R,
+           "all_to_all": Shard(st.dst_dim) if st.dst_dim is not None else R}.get(st.kind)
+    if new is None:  # partialize, rescale: a partial value of the same size
+        new = Partial(st.op) if st.kind == "partialize" else Partial("sum" if st.op == "avg_to_sum" else "avg")
+    out = list(layout)
+    for a in st.axes:
+        out[a] = new
+    return tuple(out)
+
+
 def plan_steps(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     """Steps from `src` to `dst` (one placement per mesh axis). Partial-to-Shard uses reduce_scatter and
     Shard-to-Shard all_to_all when the nesting allows it; otherwise a dim is gathered and re-chunked. Where

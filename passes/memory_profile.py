@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import operator
 
@@ -47,6 +48,9 @@ class MemoryProfile:
     term_key: dict[str, str] = dataclasses.field(default_factory=dict)
     # Parameter key -> the gradient bytes `static` holds per strategy (those without a column).
     static_grads: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # A copy column (`COPY_TERM`): the copies redistributing one edge's value for its readers
+    # (ctx.edges[edge]); their bytes depend on both ends' layouts (bytes[src_index[s], dst_index[t]]).
+    copies: dict[str, "CopyTerm"] = dataclasses.field(default_factory=dict)
 
     def key_of(self, column: str) -> str:
         return self.term_key.get(column, column)
@@ -55,7 +59,7 @@ class MemoryProfile:
         """(static bytes, peak bytes of activations and produced gradients, schedule point of the peak) under
         `choice`."""
         static = sum(float(v[choice[k]]) for k, v in self.static.items())
-        b = self._bytes(choice)
+        b = self.column_bytes(choice)
         if not len(b):
             return static, 0.0, 0
         act = self.weight @ b
@@ -64,11 +68,34 @@ class MemoryProfile:
 
     def gradients_at(self, choice: dict[str, int], point: int) -> float:
         """Bytes of produced gradients live at `point` under `choice`."""
-        b = self._bytes(choice)
+        b = self.column_bytes(choice)
         return float(sum(self.weight[point, c] * b[c] for c, k in enumerate(self.keys) if k in self.term_key))
 
-    def _bytes(self, choice: dict[str, int]) -> np.ndarray:
-        return np.array([self.act_bytes[k][choice[self.key_of(k)]] for k in self.keys])
+    def copies_at(self, choice: dict[str, int], point: int) -> float:
+        """Bytes of redistributed copies live at `point` under `choice`."""
+        b = self.column_bytes(choice)
+        return float(sum(self.weight[point, c] * b[c] for c, k in enumerate(self.keys) if k in self.copies))
+
+    def column_bytes(self, choice: dict[str, int]) -> np.ndarray:
+        """Bytes of one instance of each column under `choice`."""
+        return np.array([self.copies[k].at(choice) if k in self.copies else self.act_bytes[k][choice[self.key_of(k)]]
+                         for k in self.keys])
+
+
+@dataclasses.dataclass
+class CopyTerm:
+    """The copies codegen makes of one edge's value for its readers: bytes[a][b] for the edge's source layout
+    class a and destination layout class b (0 where the layouts agree)."""
+
+    edge: int
+    src: str
+    dst: str
+    src_index: list[int]
+    dst_index: list[int]
+    bytes: np.ndarray
+
+    def at(self, choice: dict[str, int]) -> float:
+        return float(self.bytes[self.src_index[choice[self.src]], self.dst_index[choice[self.dst]]])
 
     def candidate_points(self) -> list[int]:
         return candidate_points(self.weight)
@@ -164,6 +191,13 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
                 term_key[name] = key
                 act_bytes[name] = _gradient_bytes(ctx, pnode)
             events.append((pos[o], end, col[name], scale))
+    copies: dict[str, CopyTerm] = {}
+    for c, (term, spans) in enumerate(_copy_columns(ctx, nodes, pos, recomputed, need, last_bwd)):
+        name = f"{term.edge}{COPY_TERM}"
+        col[name] = len(keys)
+        keys.append(name)
+        copies[name] = term
+        events.extend((lo, hi, col[name], w) for lo, hi, w in spans)
     delta = np.zeros((len(nodes) + 1, len(keys)))
     for lo, hi, c, w in events:
         delta[lo, c] += w
@@ -176,10 +210,170 @@ def _build(ctx: PassContext, recomputed: set[fx.Node] | None = None) -> MemoryPr
         static[k] = static[k] * factor.get(k, 1.0)
     for k in kept:
         kept[k] = kept[k] * factor.get(k, 1.0)
-    return MemoryProfile(keys, act_bytes, static, weight, term_key, kept)
+    return MemoryProfile(keys, act_bytes, static, weight, term_key, kept, copies)
 
 
 GRADIENT_TERM = "#grad"  # a gradient column's name: its parameter key and this
+COPY_TERM = "#copy"  # a copy column's name: its edge's index in ctx.edges and this
+
+
+def copies_counted(ctx: PassContext) -> bool:
+    """Whether the profile counts redistributed copies: not under a pipeline (whose stage memory is its own,
+    passes/split_stages.py)."""
+    return ctx.pipeline is None and bool(ctx.edge_cost)
+
+
+def grads_in_one_bucket(ctx: PassContext) -> bool:
+    """Whether every kind of gradient reduction fills a single bucket whatever the placements (all gradients
+    at full size fit the first one): then grad_bucket_bytes is linear in the (producer, parameter) layout
+    pairs but for a largest-of over kinds, and the integer program counts it exactly."""
+    from autopar.codegen.grad_sync import FIRST_BUCKET_BYTES
+
+    if ctx.microbatches > 1 or ctx.pipeline is not None:
+        return False
+    size = torch.tensor([], dtype=ctx.precision.grad_dtype).element_size()
+    total = sum(math.prod(p.meta["val"].shape) * size * max(1, round(_scale(ctx, p)[1]), _scale(ctx, p)[1])
+                for p in (ctx.captured.params[f] for f in ctx.captured.grads))
+    return total <= FIRST_BUCKET_BYTES
+
+
+def _copy_columns(ctx: PassContext, nodes: list[fx.Node], pos: dict, recomputed: set[fx.Node],
+                  need: dict[fx.Node, int], last_bwd: int) -> list[tuple[CopyTerm, list[tuple[int, int, float]]]]:
+    """Per edge whose value a reader may read in another layout, its copies' term and their live spans (lo, hi,
+    instances). Codegen redistributes a value once per (layout, phase) for the reads that want it there
+    (codegen/lower.py), right before the first: a read's copy lives while its reader runs, and where the reader
+    is a view of it (a reshape of the gathered value) as long as that view, until the backward ends when the
+    view is saved for it. A recomputed reader reads its copy again where the backward recomputes it. A gathered
+    parameter (FSDP) lives with its layer's bucket: from the layer's first parameter read to its last, in each
+    phase (the backward gathers again rather than keeping it); a parameter outside the layers from its first
+    read in a phase to its last there. Every column exists whatever the variants recomputed, in edge order, so
+    profiles of several variants share their columns."""
+    from autopar.passes.annotate_shapes import producer
+    from autopar.rules.base import flat_tensor_args
+
+    if not copies_counted(ctx):
+        return []
+    cap = ctx.captured
+    index = {(e.src, e.out, e.dst, e.arg, e.kind): i for i, e in enumerate(ctx.edges)}
+    reads: dict[int, list[tuple[fx.Node, fx.Node]]] = collections.defaultdict(list)  # edge -> (value, reader)
+    for v in nodes:
+        if v.op != "call_function" or v.target is operator.getitem:
+            continue
+        for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
+                              if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
+            u, out = producer(a)
+            is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
+            kind = "param" if is_param or u in ctx.param_derived else "activation"
+            e = index.get((ctx.key.get(u), out, ctx.key.get(v), i, kind))
+            if e is not None:
+                reads[e].append((a, v))
+    # Parameter reads per (layer, phase) and per (value, phase): the spans their gathered copies live. A read
+    # the backward recomputes belongs to the backward's, at its recompute point.
+    def param_reads(a: fx.Node, v: fx.Node) -> list[tuple[tuple, int]]:
+        layer = cap.block_of.get(v)
+        out = []
+        for phase, at in [(cap.phase[v], pos[v])] + ([("bwd", need[v])] if v in recomputed and v in need else []):
+            out.append((("layer", layer, phase) if layer is not None else ("value", a, phase), at))
+        return out
+
+    span: dict[tuple, list[int]] = {}
+    for e, rs in reads.items():
+        if ctx.edges[e].kind != "param":
+            continue
+        for a, v in rs:
+            for group, at in param_reads(a, v):
+                lo, hi = span.setdefault(group, [at, at])
+                span[group] = [min(lo, at), max(hi, at)]
+    # Codegen issues the next bucket of a phase when it waits for one (a prefetch): it lives from there.
+    for phase in ("fwd", "bwd"):
+        order = sorted((g for g in span if g[2] == phase), key=lambda g: span[g][0])
+        for g, h in reversed(list(zip(order, order[1:]))):
+            span[h][0] = min(span[h][0], span[g][0])
+    seen: set[tuple] = set()  # (value, group): one gathered copy serves every read of it there
+    out = []
+    for e in sorted(reads):
+        edge, c = ctx.edges[e], ctx.edge_cost[e]
+        matrix = _copy_bytes(ctx, edge, c)
+        if not matrix.any():
+            continue
+        spans = []
+        for a, v in reads[e]:
+            if edge.kind == "param":
+                for group, at in param_reads(a, v):
+                    lo, hi = span[group] if (a, group) not in seen else (at, at)
+                    seen.add((a, group))
+                    spans.append((lo, hi, 1.0))
+                continue
+            fwd_uses, bwd_uses = _alias_uses(v, pos, cap)
+            fwd = cap.phase[v] == "fwd"
+            if v in recomputed and fwd:
+                spans.append((pos[v], max([pos[v], *fwd_uses]), 1.0))
+                if v in need:
+                    spans.append((need[v], max([need[v], *bwd_uses]), 1.0))
+            elif fwd and bwd_uses:  # a view of the copy kept for the backward
+                from autopar.passes.annotate_shapes import _scale
+
+                spans.append((pos[v], last_bwd, _scale(ctx, v)[1]))
+            else:
+                spans.append((pos[v], max([pos[v], *fwd_uses, *bwd_uses]), 1.0))
+        out.append((CopyTerm(e, edge.src, edge.dst, list(c.src_index), list(c.dst_index), matrix), spans))
+    return out
+
+
+def _alias_uses(v: fx.Node, pos: dict, cap) -> tuple[list[int], list[int]]:
+    """Where a reader that is a view of its input (or of a tuple element) is read, through views of it, per
+    phase; none for a reader that allocates its own output."""
+    fwd: list[int] = []
+    bwd: list[int] = []
+    if not _is_view(v):
+        return fwd, bwd
+    stack, seen = [v], {v}
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op != "call_function" or u in seen:
+                continue
+            seen.add(u)
+            (fwd if cap.phase[u] == "fwd" else bwd).append(pos[u])
+            if _is_view(u):
+                stack.append(u)
+    return fwd, bwd
+
+
+def _is_view(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target is operator.getitem or (
+        getattr(n.target, "overloadpacket", None) in VIEW_OPS and bool(n.all_input_nodes)))
+
+
+def _copy_bytes(ctx: PassContext, edge, c) -> np.ndarray:
+    """Bytes a rank holds for one copy of an edge's value per (source, destination) layout class: every step of
+    a redistribution makes a new tensor (codegen/collectives.py), the largest of them counted."""
+    from autopar.passes.estimate_costs import compute_dtype
+
+    shape, dtype, sizes = tuple(edge.meta.shape), compute_dtype(edge.meta.dtype, ctx), ctx.mesh.shape
+    out = np.zeros((len(c.src_layouts), len(c.dst_layouts)))
+    for i, a in enumerate(c.src_layouts):
+        for j, b in enumerate(c.dst_layouts):
+            if tuple(a) != tuple(b):
+                out[i, j] = _largest_step(shape, dtype, tuple(a), tuple(b), sizes, edge.kind == "param")
+    return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _largest_step(shape, dtype, src, dst, sizes, bucketed: bool = False) -> float:
+    """The largest tensor the steps from `src` to `dst` make; with `bucketed`, a parameter gathered in one
+    all_gather holds its shard's copy in the bucket's input (codegen/collectives.py) too."""
+    from autopar.passes.estimate_costs import local_bytes
+    from autopar.redistribute import after_step, plan_steps
+
+    cur, most = src, 0
+    steps = plan_steps(src, dst)
+    for st in steps:
+        cur = after_step(cur, st)
+        most = max(most, local_bytes(shape, dtype, cur, sizes))
+    if bucketed and len(steps) == 1 and steps[0].kind == "all_gather":
+        most += local_bytes(shape, dtype, src, sizes)
+    return float(most or local_bytes(shape, dtype, dst, sizes))
 
 
 def produced_gradients(ctx: PassContext) -> bool:

@@ -425,17 +425,19 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
     prof = memory_profile(ctx)
     _, peak, point = prof.peak(ctx.choice)
     live_grads = prof.gradients_at(ctx.choice, point)
+    copies = prof.copies_at(ctx.choice, point)
     if prof.term_key:  # the gradients live where the backward produces them (passes/memory_profile.py), but
         # those whose allocation the profile did not find
         grad_b = sum(float(v[ctx.choice[k]]) for k, v in prof.static_grads.items())
     buffers = sum(float(b[ctx.choice[k]]) for k, b in buffer_bytes(ctx).items())
     inputs = sum(float(b[ctx.choice[k]]) for k, b in input_bytes(ctx).items())
-    gathered = gathered_param_bytes(ctx)
-    static = param_b + buffers + inputs + grad_b + opt_b + master + accumulation + buckets + gathered
+    static = param_b + buffers + inputs + grad_b + opt_b + master + accumulation + buckets
     mem = {"params": int(param_b), "buffers": int(buffers), "grads": int(grad_b + live_grads), "optimizer": int(opt_b),
-           "master_weights": int(master), "activations": int(peak - live_grads)}
+           "master_weights": int(master), "activations": int(peak - live_grads - copies)}
     if inputs:
         mem["inputs"] = int(inputs)
+    if copies:
+        mem["copies"] = int(copies)
     if ctx.pipeline is not None:  # one pipeline rank's share (passes/split_stages.py)
         from autopar.passes.split_stages import stage_memory
 
@@ -444,24 +446,7 @@ def _memory(ctx: PassContext) -> tuple[dict[str, int], int]:
         mem["grad_accumulation"] = int(accumulation)
     if buckets:
         mem["grad_buckets"] = int(buckets)
-    if gathered:
-        mem["gathered_params"] = int(gathered)
     return mem, int(static + peak)
-
-
-def gathered_param_bytes(ctx: PassContext) -> float:
-    """Parameters gathered from a sharded storage (FSDP), beyond the values the graph computes from them: the
-    largest bucket with the one codegen gathers beside it (the next layer's, prefetched in the forward and in the
-    backward), or the largest gather on its own. Counted where the integer program sets the collective buffers
-    aside from the limit (_reserve); 0 where its rows count the gradient buffers exactly (at most 1 MiB of
-    gradients), and with several microbatches or stages."""
-    if ctx.microbatches > 1 or ctx.pipeline is not None or grads_in_one_bucket(ctx):
-        return 0.0
-    gathers = _param_gathers(ctx)
-    size = [sum(local_bytes(tuple(shape), dtype, tuple(dst), ctx.mesh.shape) for shape, dtype, _, dst, _, _ in g.comms)
-            for g in gathers.groups]
-    pairs = [size[i] + size[j] for i, j in [*gathers.next_bucket.items(), *gathers.next_backward.items()]]
-    return float(max(pairs + size, default=0.0))
 
 
 def grad_bucket_bytes(ctx: PassContext) -> float:
@@ -558,19 +543,6 @@ def grad_reduction(ctx: PassContext, src: tuple, dst: tuple, pnode: fx.Node) -> 
         return (steps[0].kind, axes), size, max(1, round(scale))
     return (ALONE if any(st.is_comm for st in steps) else None), size, scale
 
-
-def grads_in_one_bucket(ctx: PassContext) -> bool:
-    """Whether every kind of gradient reduction fills a single bucket whatever the placements (all gradients
-    at full size fit the first one): then grad_bucket_bytes is linear in the (producer, parameter) layout
-    pairs but for a largest-of over kinds, and the integer program counts it exactly."""
-    from autopar.codegen.grad_sync import FIRST_BUCKET_BYTES
-
-    if ctx.microbatches > 1 or ctx.pipeline is not None:
-        return False
-    size = torch.tensor([], dtype=ctx.precision.grad_dtype).element_size()
-    total = sum(math.prod(p.meta["val"].shape) * size * max(1, round(_scale(ctx, p)[1]), _scale(ctx, p)[1])
-                for p in (ctx.captured.params[f] for f in ctx.captured.grads))
-    return total <= FIRST_BUCKET_BYTES
 
 
 def bucket_reserve(ctx: PassContext) -> float:

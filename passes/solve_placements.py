@@ -206,10 +206,21 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
                 bound_buffers: bool = False) -> MemoryRows:
     """The step simulator's memory profile over root keys, one row per candidate peak point (with a limit, only
     the points some choice could push over it). With `joint`, a key whose liveness a decided stack's variant
-    changes has one term per variant, conditional on the stack's selector."""
+    changes has one term per variant, conditional on the stack's selector. A redistributed copy
+    (memory_profile.CopyTerm) is a term over its edge's layout pairs; where a variant changes where it lives (a
+    recomputed reader reads it again), it counts wherever any variant holds it (the program has no variable for
+    a layout pair under a variant)."""
     prof = memory_profile(ctx)
     terms, conditions, cols = [], [], []
+    pairs, pair_cols = [], []
     for c, k in enumerate(prof.keys):
+        if k in prof.copies:
+            s = joint.owner.get(k) if joint is not None else None
+            w = prof.weight[:, c] if s is None else np.maximum.reduce([joint.weight[(s, v)][:, c]
+                                                                      for v in joint.variants[s]])
+            pairs.append(_copy_edge(ctx, prof.copies[k]))
+            pair_cols.append(w)
+            continue
         root, idx = _root(ctx, prof.key_of(k))
         b = prof.act_bytes[k]
         b = [float(v) for v in (b if idx is None else b[idx])]
@@ -223,17 +234,20 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
             terms.append((root, b))
             conditions.append((recompute_variants.SELECTOR + s, r))
             cols.append(joint.weight[(s, v)][:, c])
-    weight = np.stack(cols, axis=1) if cols else prof.weight
+    n = len(cols)
+    stacked = cols + pair_cols
+    weight = np.stack(stacked, axis=1) if stacked else prof.weight[:, :0]
     points = candidate_points(weight)
     buffers = _grad_buffers(ctx) or (_grad_buffers(ctx, bound=True) if bound_buffers else [])
     if limit is not None and points:
         most = MemoryRows({}, [], [], buffers=buffers).most_buffered()
         static_max = sum(float(np.max(v)) for v in prof.static.values()) + most
-        term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms])
+        term_max = np.array([max(b) if len(b) else 0.0 for _, b in terms] + [max(map(max, e.cost)) for e in pairs])
         points = [i for i in points if static_max + float(weight[i] @ term_max) > limit]
         if not points:  # no row can exceed the limit, whatever the buffers
             buffers = []
-    weights = [{t: float(w) for t, w in enumerate(weight[i]) if w} for i in points]
+    weights = [{t: float(w) for t, w in enumerate(weight[i, :n]) if w} for i in points]
+    pair_weights = [{j: float(w) for j, w in enumerate(weight[i, n:]) if w} for i in points] if pairs else []
     static = {k: [float(x) for x in v] for k, v in prof.static.items()}
     if ctx.microbatches > 1:
         for k, extra in _accumulation_rows(ctx).items():
@@ -241,7 +255,16 @@ def memory_rows(ctx: PassContext, limit: float | None, joint: recompute_variants
                 static[k] = [a + b for a, b in zip(static[k], extra)]
             else:
                 static[k] = extra
-    return MemoryRows(static, terms, weights, conditions if joint is not None else [], buffers)
+    return MemoryRows(static, terms, weights, conditions if joint is not None else [], buffers, pairs,
+                      pair_weights)
+
+
+def _copy_edge(ctx: PassContext, cp) -> IlpEdge:
+    """A copy term as an edge between root keys whose cost holds its bytes."""
+    src, smap = _root(ctx, cp.src)
+    dst, dmap = _root(ctx, cp.dst)
+    return IlpEdge(src, dst, cp.src_index if smap is None else [cp.src_index[j] for j in smap],
+                   cp.dst_index if dmap is None else [cp.dst_index[j] for j in dmap], cp.bytes.tolist())
 
 
 def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
@@ -253,7 +276,8 @@ def _grad_buffers(ctx: PassContext, bound: bool = False) -> list[list[IlpEdge]]:
     With `bound` (one microbatch, no pipeline), the same buffers however many buckets a kind fills: an upper
     bound on the largest bucket (the search for the least peak uses it). Built once."""
     from autopar.codegen.grad_sync import in_turn
-    from autopar.passes.simulate_step import ALONE, alone_held, bucket_held, grad_reduction, grads_in_one_bucket
+    from autopar.passes.memory_profile import grads_in_one_bucket
+    from autopar.passes.simulate_step import ALONE, alone_held, bucket_held, grad_reduction
 
     when = (ctx.microbatches, ctx.pipeline is None, bound)
     if ctx.grad_buffers is not None and when in ctx.grad_buffers:
@@ -483,7 +507,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
     program with its own buffers, it is the plan rather than that error. The error's `fitting` holds (choice,
     variants) of a plan the solve passed over for a faster one that did not fit with its buffers, where one fits
     with its own (else None)."""
-    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes, simulate
+    from autopar.passes.simulate_step import grad_bucket_bytes, simulate
 
     reserve = _reserve(ctx) if reserve is None else reserve
     report = ctx.progress.update if ctx.progress is not None else None
@@ -523,7 +547,7 @@ def _solve_one(ctx: PassContext, joint: recompute_variants.Joint | None = None,
         candidates = [out.result] + out.alternatives
         result = _fastest(ctx, reduced, candidates)
         _adopt(ctx, reduced, result)
-        buckets = grad_bucket_bytes(ctx) + gathered_param_bytes(ctx) if resolved else 0.0
+        buckets = grad_bucket_bytes(ctx) if resolved else 0.0
         # A plan that fits with its own buckets is a plan of the program setting them aside too (a tighter one,
         # whose optimum the bound found holds under): it is kept rather than solved for again.
         if buckets <= reserve or _peak(ctx, ctx.choice) <= ctx.memory_limit:
@@ -562,29 +586,21 @@ def _bounded_fit(ctx: PassContext, joint: recompute_variants.Joint | None, start
     that plan is faster, reporting the lower of its bound and `bound`, else None (nothing adopted)."""
     from autopar.passes.simulate_step import simulate
 
-    from autopar.passes.simulate_step import gathered_param_bytes
-
     if _grad_buffers(ctx) or not _grad_buffers(ctx, bound=True):
         return None
     ctx.choice = dict(start)
-    aside = gathered_param_bytes(ctx)  # the rows do not hold the gathered parameters: set aside, as `start`'s
-    for _ in range(2):  # and once more with the plan's own, where they take more
-        problem = build_problem(ctx, float(ctx.memory_limit) - aside, joint, bound_buffers=True)
-        reduced = reduce_problem(problem, keep=start)
-        known = reduced.restrict({k: start[k] for k in problem.n_strategies})
-        sc = ctx.config.solver
-        try:
-            out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline,
-                                relative_gap=sc.relative_gap,
-                                start=known if known is not None and reduced.problem.fits(known) else None,
-                                waited=_waited(ctx, reduced))
-        except (ProgramInfeasible, SolverTimeout):
-            return None
-        result = _fastest(ctx, reduced, [out.result] + out.alternatives)
-        _adopt(ctx, reduced, result)
-        if _peak(ctx, ctx.choice) <= ctx.memory_limit:
-            break
-        aside = max(aside, gathered_param_bytes(ctx))
+    problem = build_problem(ctx, float(ctx.memory_limit), joint, bound_buffers=True)
+    reduced = reduce_problem(problem, keep=start)
+    known = reduced.restrict({k: start[k] for k in problem.n_strategies})
+    sc = ctx.config.solver
+    try:
+        out = solve_bounded(reduced.problem, backend=sc.backend, deadline=ctx.deadline, relative_gap=sc.relative_gap,
+                            start=known if known is not None and reduced.problem.fits(known) else None,
+                            waited=_waited(ctx, reduced))
+    except (ProgramInfeasible, SolverTimeout):
+        return None
+    result = _fastest(ctx, reduced, [out.result] + out.alternatives)
+    _adopt(ctx, reduced, result)
     if _peak(ctx, ctx.choice) > ctx.memory_limit or simulate(ctx).step_time >= step:
         return None
     # The program's own bound holds under its buffers' upper bound only.
@@ -642,13 +658,13 @@ def fmt_mem(nbytes: float, scale: float) -> str:
 
 
 def _buckets(ctx: PassContext, choice: dict[str, int]) -> float:
-    """The gradient buffers and gathered parameters `choice` needs beside its peak (none under a pipeline)."""
-    from autopar.passes.simulate_step import gathered_param_bytes, grad_bucket_bytes
+    """The gradient buffers `choice` needs beside its peak (none under a pipeline)."""
+    from autopar.passes.simulate_step import grad_bucket_bytes
 
     if ctx.pipeline is not None:
         return 0.0
     ctx.choice = choice
-    return grad_bucket_bytes(ctx) + gathered_param_bytes(ctx)
+    return grad_bucket_bytes(ctx)
 
 
 def _peak(ctx: PassContext, choice: dict[str, int]) -> float:
@@ -770,6 +786,15 @@ def _fit_passed_over(ctx: PassContext, fitting: tuple) -> tuple:
         return _fit_smallest(ctx, _smallest(ctx))
 
 
+def _column_name(prof, k: str) -> str:
+    """A memory profile column as a person reads it."""
+    if k in prof.term_key:
+        return k.split("/", 1)[-1].removesuffix(GRADIENT_TERM) + " (gradient)"
+    if k in prof.copies:
+        return f"{prof.copies[k].src} (copied for {prof.copies[k].dst})"
+    return k
+
+
 def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     """Say how far the smallest peak is from fitting, and what fills it."""
     from autopar.passes.simulate_step import accumulation_bytes
@@ -786,9 +811,8 @@ def _raise_infeasible(ctx: PassContext, smallest: tuple) -> None:
     static += reserve + accumulation
     consumers = [(float(v[choice[k]]), k.split("/", 1)[-1] + " (params)") for k, v in prof.static.items()]
     consumers += [(reserve, "gradient buckets"), (accumulation, "gradient accumulation")]
-    consumers += [(float(prof.weight[point, c] * prof.act_bytes[k][choice[prof.key_of(k)]]),
-                   k.split("/", 1)[-1].removesuffix(GRADIENT_TERM) + " (gradient)" if k in prof.term_key else k)
-                  for c, k in enumerate(prof.keys)]
+    consumers += [(float(prof.weight[point, c] * b), _column_name(prof, k))
+                  for c, (k, b) in enumerate(zip(prof.keys, prof.column_bytes(choice)))]
     consumers.sort(reverse=True)
     scale = ctx.memory_limit
     top = ", ".join(f"{k} {fmt_mem(c, scale)}" for c, k in consumers[:5] if c > 0)

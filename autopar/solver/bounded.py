@@ -246,9 +246,15 @@ def _priced_relaxation(p: IlpProblem, prices: list[float], markup: float, deadli
     priced = [dataclasses.replace(ln, cost=links[(ln.key, ln.selector)]) for ln in p.links]
     edges = list(p.edges)
     if markup and total:  # every point holds the buffers: their pairs' bytes at the points' total price
-        edges += [dataclasses.replace(e, cost=[[markup * total * b for b in row] for row in e.cost], group=None,
+        priced_pairs = [(e, total) for e in {id(e): e for buf in mem.buffers for e in buf}.values()]
+        pair_weight = [0.0] * len(mem.pairs)  # a copy's pairs: at its points' prices
+        for price, row in zip(prices, mem.aligned_pair_weights()):
+            for j, w in row.items():
+                pair_weight[j] += price * w
+        priced_pairs += [(e, w) for e, w in zip(mem.pairs, pair_weight) if w]
+        edges += [dataclasses.replace(e, cost=[[markup * w * b for b in row] for row in e.cost], group=None,
                                       axis_cost=None, contends=None, layered=False)
-                  for e in {id(e): e for buf in mem.buffers for e in buf}.values()]
+                  for e, w in priced_pairs]
     try:
         _, x, _ = relaxation_highs(dataclasses.replace(p, compute=compute, memory=None, memory_limit=None,
                                                        links=priced, edges=edges), _remaining(deadline))

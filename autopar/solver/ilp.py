@@ -23,7 +23,9 @@ and memory is bounded at every candidate peak point i of the schedule (`MemoryRo
 choice made for many keys at once, such as a layer stack's recompute variant) by transportation variables
 y[l,s,r] as above, one per (strategy of u, strategy of v), priced per pair; a memory term may be conditional
 on the selector (its allocation lives as the point weights say only under selector strategy r), and is then
-summed over y[l,s,r] instead of x[u,s]. With `objective="peak"` the program minimizes
+summed over y[l,s,r] instead of x[u,s]. A term may also be an edge's: bytes per (source layout, destination
+layout) pair, summed over the edge's transportation variables y[e,a,b] (a value's copy in its reader's layout).
+With `objective="peak"` the program minimizes
 the largest of these rows instead. On `quiet_axes`, the indicators of layout changes holding a blocking
 backward collective on those axes are 0. Both backends create variables in sorted key order and run
 single-threaded at a fixed seed, so the same inputs give the same plan whenever the solve ends before its
@@ -102,6 +104,10 @@ class MemoryRows:
     # Every row also holds the largest of these buffers (the gradient buckets of each kind of reduction), each
     # a sum over edges of bytes per (source layout, destination layout) pair: `cost` holds bytes.
     buffers: list[list[IlpEdge]] = dataclasses.field(default_factory=list)
+    # Terms over an edge's layout pairs (a value's copy redistributed for its reader): an edge whose `cost` holds
+    # bytes per (source layout, destination layout) pair; point i holds pair_weights[i][j] of pair term j.
+    pairs: list[IlpEdge] = dataclasses.field(default_factory=list)
+    pair_weights: list[dict[int, float]] = dataclasses.field(default_factory=list)
 
     def condition(self, t: int) -> tuple[str, int] | None:
         return self.conditions[t] if self.conditions else None
@@ -121,14 +127,22 @@ class MemoryRows:
             share = 1.0 if c is None else x[c[0]].get(c[1], 0.0)
             term.append(share * sum(w * b[i] for i, w in x[k].items()))
         buffer = max((sum(_pair_value(e, x) for e in edges) for edges in self.buffers), default=0.0)
-        return base + buffer + max((sum(w * term[t] for t, w in row.items()) for row in self.weights), default=0.0)
+        pair = [_pair_value(e, x) for e in self.pairs]
+        return base + buffer + max((sum(w * term[t] for t, w in row.items()) + sum(w * pair[j] for j, w in prow.items())
+                                    for row, prow in zip(self.weights, self.aligned_pair_weights())), default=0.0)
+
+    def aligned_pair_weights(self) -> list[dict[int, float]]:
+        """pair_weights, one (maybe empty) per point."""
+        return self.pair_weights or [{} for _ in self.weights]
 
     def most(self) -> float:
         """The largest any choice's largest row can be: no plan exceeds it."""
         static = sum(max(v, default=0.0) for v in self.static.values())
         most = [max(b, default=0.0) for _, b in self.terms]
-        return static + self.most_buffered() + max((sum(w * most[t] for t, w in row.items()) for row in self.weights),
-                                                   default=0.0)
+        pair = [max(map(max, e.cost)) for e in self.pairs]
+        return static + self.most_buffered() + max(
+            (sum(w * most[t] for t, w in row.items()) + sum(w * pair[j] for j, w in prow.items())
+             for row, prow in zip(self.weights, self.aligned_pair_weights())), default=0.0)
 
     def most_buffered(self) -> float:
         """The largest any choice's buffers can be."""
@@ -151,7 +165,8 @@ class MemoryRows:
         return MemoryRows({k: [v[i] for i in kept[k]] for k, v in self.static.items()},
                           [(k, [b[i] for i in kept[k]]) for k, b in (self.terms[t] for t in live)], weights,
                           conditions if self.conditions else [],
-                          _restricted_buffers(self.buffers, kept))
+                          _restricted_buffers(self.buffers, kept), [e.restricted(kept) for e in self.pairs],
+                          self.pair_weights)
 
 
 def _restricted_buffers(buffers: list[list[IlpEdge]], kept: dict[str, list[int]]) -> list[list[IlpEdge]]:

@@ -22,7 +22,8 @@ class Program:
     cost: list[float]  # seconds per column
     rows: list[tuple[float, float, dict[int, float]]]  # (lo, hi, {column: coefficient}), 0/1 quantities
     memory_limit: float | None
-    # Memory at candidate point i: static . x + sum_t points[i][t] * (terms[t] . x), in bytes.
+    # Memory at candidate point i: static . x + sum_t points[i][t] * (terms[t] . x), in bytes (a term over x, a
+    # link's y, or an edge's transportation columns).
     static: dict[int, float] = dataclasses.field(default_factory=dict)
     terms: list[dict[int, float]] = dataclasses.field(default_factory=list)
     points: list[dict[int, float]] = dataclasses.field(default_factory=list)
@@ -183,16 +184,22 @@ def _memory_rows(prog: Program, p: IlpProblem) -> None:
         else:  # summed over the pairs (s, r) of the link from k to the selector
             y = prog.links[(k, c[0])]
             prog.terms.append({y[s][c[1]]: float(b) for s, b in enumerate(v) if b})
-    prog.points = [dict(row) for row in mem.weights]
-    prog.buffers = []
-    for edges in mem.buffers:
-        coefs: dict[int, float] = {}
-        for e in edges:
-            for (a, b), ind in _pair_indicators(prog, e).items():
-                if e.cost[a][b]:
-                    for col, c in ind.items():
-                        coefs[col] = coefs.get(col, 0.0) + c * float(e.cost[a][b])
-        prog.buffers.append(coefs)
+    prog.terms += [_pair_bytes(prog, [e]) for e in mem.pairs]  # summed over the edge's layout pairs
+    n = len(mem.terms)
+    prog.points = [{**row, **{n + j: w for j, w in prow.items()}}
+                   for row, prow in zip(mem.weights, mem.aligned_pair_weights())]
+    prog.buffers = [_pair_bytes(prog, edges) for edges in mem.buffers]
+
+
+def _pair_bytes(prog: Program, edges: list[IlpEdge]) -> dict[int, float]:
+    """The bytes `edges` hold (their cost per layout pair) as coefficients over the pairs' indicators."""
+    coefs: dict[int, float] = {}
+    for e in edges:
+        for (a, b), ind in _pair_indicators(prog, e).items():
+            if e.cost[a][b]:
+                for col, c in ind.items():
+                    coefs[col] = coefs.get(col, 0.0) + c * float(e.cost[a][b])
+    return coefs
 
 
 def has_memory(prog: Program) -> bool:

@@ -93,7 +93,7 @@ def _features(p: IlpProblem, linear, edges, grouped, side) -> dict[str, list[np.
             cols[k].append(np.asarray(v, dtype=float)[:, None])
         for k, b in p.memory.terms:
             cols[k].append(np.asarray(b, dtype=float)[:, None])
-        for e in {id(e): e for edges in p.memory.buffers for e in edges}.values():
+        for e in [*{id(e): e for edges in p.memory.buffers for e in edges}.values(), *p.memory.pairs]:
             both_ends(e, np.asarray(e.cost, dtype=float))
     for src, dst, si, di, cost in edges:
         cols[src].append(cost[si, :])
