@@ -91,20 +91,11 @@ def cpu_table(batch: int = 8, seq: int = 64) -> None:
               f"{measured / p.peak_memory_per_rank:6.3f}")
 
 
-def build_hf(name: str):
-    """A small transformers model as measure_plan_step takes it: (model, inputs, None, keyword inputs)."""
-    from autopar.testing import hf_models
-
-    torch.manual_seed(0)
-    model, args, kwargs = hf_models.MODELS[name](batch=4, **({} if name in hf_models.IMAGE_MODELS else {"seq": 16}))
-    return model, args, None, kwargs or {}
-
-
 def pressure_table(models: list[str], fractions: list[float]) -> None:
     import functools
 
     from autopar.testing.dist import get_pool
-    from autopar.testing.memory import measure_plan_step
+    from autopar.testing.memory import build_hf, measure_plan_step
 
     pool = get_pool(4)
     mesh = autopar.fake_mesh((2, 2), ("dp", "tp"), "cpu")

@@ -578,6 +578,29 @@ def test_a_view_of_a_gathered_activation_is_gathered_again_in_the_backward():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "opt"])
+def test_a_plan_under_half_its_peak_fits_its_figure_when_run(name):
+    """Small transformers models planned at half their unconstrained peak and measured on 4 gloo ranks: the
+    measured peak is at most the plan's figure, which is at most the limit. The plans recompute, shard weights
+    and redistribute activations, so their peaks hold redistributed copies and gathered weights (with their
+    bucket's input and the next bucket, prefetched): before the memory rows counted those, BERT's plan measured
+    1.047 and OPT's 1.018 of their figures, above their limits."""
+    from autopar.testing.memory import build_hf, measure_plan_step
+
+    build = functools.partial(build_hf, name)
+    model, args, _, kwargs = build()
+    mesh = autopar.fake_mesh(SHAPE, NAMES, "cpu")
+    free = autopar.plan(model, mesh, args, example_kwargs=kwargs, config=Config(solver=QUIET))
+    limit = 0.5 * free.peak_memory_per_rank
+    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs,
+                        config=Config(solver=QUIET, memory_limit_gb=limit / 2**30))
+    assert plan.peak_memory_per_rank <= limit
+    assert {"tp", "ac"} <= set(plan.techniques)
+    measured = max(r["peak"] for r in get_pool(4).run(measure_plan_step, build, plan.to_json()))
+    assert measured <= plan.peak_memory_per_rank, (measured, plan.peak_memory_per_rank, plan.memory_breakdown)
+
+
+@pytest.mark.slow
 def test_measured_peak_memory_is_at_most_the_plans_and_within_10_percent_of_it():
     """Peak live tensor bytes of a step after a warm-up step (autopar.testing.memory), on every rank, against
     plan.peak_memory_per_rank: the solver's plan with and without recomputation, and the DP, FSDP and Megatron

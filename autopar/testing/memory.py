@@ -52,3 +52,16 @@ def measure_plan_step(build: Callable[[], tuple], plan_json: str, lr: float = 1e
     step()
     peak, parts = measure_step(pm, opt, step)
     return {"peak": peak, "parts": parts}
+
+
+def build_hf(name: str, batch: int = 4, seq: int = 16) -> tuple:
+    """A small transformers model of autopar.testing.hf_models as measure_plan_step takes it: (model, inputs,
+    None, keyword inputs); `seq` tokens per sequence for a text model."""
+    import torch
+
+    from autopar.testing import hf_models
+
+    torch.manual_seed(0)
+    model, args, kwargs = hf_models.MODELS[name](batch=batch, **({} if name in hf_models.IMAGE_MODELS else
+                                                                  {"seq": seq}))
+    return model, args, None, kwargs or {}
