@@ -78,6 +78,7 @@ class PassContext:
     transition_kinds: dict[tuple, int] = dataclasses.field(default_factory=dict)
     transition_memo: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     memory_profile: Any = None  # memory_profile.MemoryProfile, built on first use
+    copy_bytes: Any = None  # memory_profile: per edge, its copy's bytes per layout pair, built on first use
     # solve_placements: {(microbatches, no pipeline, bound): the gradient buckets as the program's buffers}, built once
     grad_buffers: Any = None
     # solve_placements

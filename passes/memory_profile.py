@@ -291,9 +291,13 @@ def _copy_columns(ctx: PassContext, nodes: list[fx.Node], pos: dict, recomputed:
             span[h][0] = min(span[h][0], span[g][0])
     seen: set[tuple] = set()  # (value, group): one gathered copy serves every read of it there
     out = []
+    if getattr(ctx, "copy_bytes", None) is None:  # per edge, built once per context
+        ctx.copy_bytes = {}
     for e in sorted(reads):
         edge, c = ctx.edges[e], ctx.edge_cost[e]
-        matrix = _copy_bytes(ctx, edge, c)
+        if e not in ctx.copy_bytes:
+            ctx.copy_bytes[e] = _copy_bytes(ctx, edge, c)
+        matrix = ctx.copy_bytes[e]
         if not matrix.any():
             continue
         spans = []

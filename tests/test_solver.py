@@ -57,14 +57,18 @@ def test_memory_rows_are_the_simulated_peak_for_any_choice():
     ctx = _context(model, CPU_2X2, inputs, cross_entropy_loss, autopar.Config(solver=QUIET))
     problem = build_problem(ctx, None)
     assert len(problem.memory.buffers) > 1  # several kinds of reduction, the largest counted
+    assert problem.memory.pairs  # redistributed copies: terms over their edges' layout pairs
     rng = random.Random(0)
-    buckets = set()
+    buckets, copies = set(), set()
     for _ in range(8):
         root = {k: rng.randrange(n) for k, n in problem.n_strategies.items()}
         ctx.choice = expand_choice(ctx, root)
-        assert problem.memory.usage(root) == pytest.approx(simulate(ctx).peak_memory, rel=1e-9, abs=1)
+        sim = simulate(ctx)
+        assert problem.memory.usage(root) == pytest.approx(sim.peak_memory, rel=1e-9, abs=1)
         buckets.add(grad_bucket_bytes(ctx))
+        copies.add(sim.memory.get("copies", 0))
     assert len(buckets) > 1  # the choices' buffers differ, and the rows follow them
+    assert len(copies) > 1  # so do the copies live at the peak
 
 
 class _Layer(nn.Module):

@@ -113,9 +113,11 @@ def relaxation_highs(p: IlpProblem, remaining: float | None) -> tuple[float, dic
 
 def peak_relaxation(p: IlpProblem, remaining: float | None) -> float:
     """A lower bound on any plan's peak in bytes: the relaxation of the program minimizing the largest memory
-    row. It has no edges (a gradient buffer's come with the memory rows), so it is small; where it exceeds the
-    limit, the relaxation with memory rows is infeasible too, and so is the program."""
-    prog = build_program(dataclasses.replace(p, edges=[], side_edges=[], memory_limit=None))
+    row. It has no edges (a gradient buffer's come with the memory rows) and leaves out the redistributed
+    copies' terms (never negative: still a lower bound), so it is small; where it exceeds the limit, the
+    relaxation with memory rows is infeasible too, and so is the program."""
+    memory = None if p.memory is None else dataclasses.replace(p.memory, pairs=[], pair_weights=[])
+    prog = build_program(dataclasses.replace(p, edges=[], side_edges=[], memory_limit=None, memory=memory))
     proto = _relaxed(_model(prog, "peak"))
     res = _run(proto, _params(p.seed, remaining), model_parameters_pb2.ModelSolveParametersProto())
     _check(res)
