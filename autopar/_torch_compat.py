@@ -448,9 +448,20 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     return compile_fx(gm, example_inputs)
 
 
-def memory_tracker() -> Any:
-    """torch.distributed._tools.mem_tracker.MemTracker: live tensor storage bytes per device, deduplicated by
-    storage, by kind (parameters, gradients, optimizer state, activations, temporaries), with their peak."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def dispatch_mode_base() -> type:
+    """torch.utils._python_dispatch.TorchDispatchMode: the base class of a mode that sees every aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    return MemTracker()
+    return TorchDispatchMode
+
+
+def flattened_tensors(t: Any) -> list:
+    """A tensor subclass (DTensor, a functional collective's AsyncCollectiveTensor) as the plain tensors holding
+    its data; a plain tensor as itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, n) for n in names]
+    return [x for v in inner if isinstance(v, torch.Tensor) for x in flattened_tensors(v)]
