@@ -20,6 +20,8 @@ them. Values computed from parameters alone (a cast or gathered weight) live dur
 again during their backward uses, since codegen recomputes them in backward rather than saving them; so do
 recomputed activations (autopar/recompute.py: the plan's recomputed layers and the model's checkpointed
 regions), from the point backward first needs them, and the values they are recomputed from are kept until then.
+A value redistributed for a reader is a copy beside it (`CopyTerm`, a column per edge): its bytes depend on both
+ends' layouts, so the integer program sums it over the edge's layout pairs (solver.ilp.MemoryRows.pairs).
 """
 from __future__ import annotations
 
