@@ -205,11 +205,7 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
         if v.op != "call_function" or v.target is operator.getitem:
             continue
         info = op_info(v)
-        for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
-                              if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
-            u, out = producer(a)
-            is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
-            kind = "param" if is_param or u in ctx.param_derived else "activation"
+        for i, a, u, out, kind in tensor_reads(ctx, v):
             count = _edge_scale(ctx, u, v)
             if kind == "param" and cap.phase[v] == "fwd" and v in ctx.param_derived and _feeds_backward(v, ctx):
                 # FSDP-style: computed again in backward instead of being kept alive, its layout changes with it
@@ -229,6 +225,19 @@ def _edges(gm: fx.GraphModule, ctx: PassContext) -> None:
         add(u, out, f"<head {k}>" if cap.replicated_heads else "<loss>", -1, 1.0, "loss", _tensor_meta(v))
     ctx.edges = [Edge(src, out, dst, arg, count, kind, meta)
                  for (src, out, dst, arg, kind), (count, meta) in acc.items()]
+
+
+def tensor_reads(ctx: PassContext, v: fx.Node) -> list[tuple[int, fx.Node, fx.Node, int, str]]:
+    """A node's tensor inputs as its edges number them: (input index, the value read, its producer, the producer's
+    output, "param" for a parameter, buffer or value computed from parameters alone, else "activation")."""
+    cap = ctx.captured
+    out = []
+    for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
+                          if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
+        u, idx = producer(a)
+        is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
+        out.append((i, a, u, idx, "param" if is_param or u in ctx.param_derived else "activation"))
+    return out
 
 
 def _feeds_backward(node: fx.Node, ctx: PassContext) -> bool:

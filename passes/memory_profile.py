@@ -250,8 +250,7 @@ def _copy_columns(ctx: PassContext, nodes: list[fx.Node], pos: dict, recomputed:
     phase (the backward gathers again rather than keeping it); a parameter outside the layers from its first
     read in a phase to its last there. Every column exists whatever the variants recomputed, in edge order, so
     profiles of several variants share their columns."""
-    from autopar.passes.annotate_shapes import producer
-    from autopar.rules.base import flat_tensor_args
+    from autopar.passes.annotate_shapes import tensor_reads
 
     if not copies_counted(ctx):
         return []
@@ -261,11 +260,7 @@ def _copy_columns(ctx: PassContext, nodes: list[fx.Node], pos: dict, recomputed:
     for v in nodes:
         if v.op != "call_function" or v.target is operator.getitem:
             continue
-        for i, a in enumerate(a for a in flat_tensor_args(v.args, v.kwargs)
-                              if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
-            u, out = producer(a)
-            is_param = u.op == "placeholder" and (u in cap.params.values() or u in cap.buffers.values())
-            kind = "param" if is_param or u in ctx.param_derived else "activation"
+        for i, a, u, out, kind in tensor_reads(ctx, v):
             e = index.get((ctx.key.get(u), out, ctx.key.get(v), i, kind))
             if e is not None:
                 reads[e].append((a, v))
@@ -317,8 +312,6 @@ def _copy_columns(ctx: PassContext, nodes: list[fx.Node], pos: dict, recomputed:
                 if v in need:
                     spans.append((need[v], max([need[v], *bwd_uses]), 1.0))
             elif fwd and bwd_uses:  # a view of the copy kept for the backward
-                from autopar.passes.annotate_shapes import _scale
-
                 spans.append((pos[v], last_bwd, _scale(ctx, v)[1]))
             else:
                 spans.append((pos[v], max([pos[v], *fwd_uses, *bwd_uses]), 1.0))
@@ -514,8 +507,7 @@ def _owners(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:
     for n in nodes:
         if n.op != "call_function":
             continue
-        if n.target is operator.getitem or (getattr(n.target, "overloadpacket", None) in VIEW_OPS
-                                            and n.all_input_nodes):
+        if _is_view(n):
             a = n.args[0] if n.target is operator.getitem else n.all_input_nodes[0]
             owner[n] = owner.get(a) if a.op == "call_function" else None
         else:
