@@ -88,12 +88,12 @@ def _forget_restricted() -> None:
     _restricted_known = False
 
 
-# Relaxations with memory rows and more columns than this are solved by HiGHS's interior point method (with
-# crossover to a vertex, so the support and the shadow prices are a basic solution's): memory rows take away the
-# network structure dual simplex is quick on. Measured on this project's programs (one core): Qwen2 at hidden 64
-# on 2x2 at 0.3x its peak (77k columns) 7.2 s against 15.8 s by dual simplex, Llama 6.4 against 8.5 s, T5 (246k)
-# 36.6 against 51.6 s; below 40k columns simplex was as fast or faster (GPT-2 at 0.7x: 0.28 against 0.73 s).
-# Without memory rows simplex is faster at every size (T5: 4.7 against 13.2 s).
+# Relaxations with candidate points' memory rows and more columns than this are solved by HiGHS's interior
+# point method (with crossover to a vertex, so the support and the shadow prices are a basic solution's): memory
+# rows take away the network structure dual simplex is quick on. Measured on this project's programs (one core):
+# Qwen2 at hidden 64 on 2x2 at 0.3x its peak (77k columns) 7.2 s against 15.8 s by dual simplex, Llama 6.4
+# against 8.5 s, T5 (246k) 36.6 against 51.6 s; below 40k columns simplex was as fast or faster (GPT-2 at 0.7x:
+# 0.28 against 0.73 s). Without those rows simplex is faster at every size (T5: 4.7 against 13.2 s).
 _IPM_COLUMNS = 50_000
 
 
@@ -111,7 +111,7 @@ def relaxation_highs(p: IlpProblem, remaining: float | None, iteration_limit: in
     params = _params(p.seed, remaining)
     if iteration_limit is not None:
         params.highs.int_options["simplex_iteration_limit"] = iteration_limit
-    elif has_memory(prog) and prog.n_cols > _IPM_COLUMNS:
+    elif has_memory(prog) and prog.points and prog.n_cols > _IPM_COLUMNS:  # some candidate point's row
         params.highs.string_options["solver"] = "ipm"
     res = _run(proto, params, model_parameters_pb2.ModelSolveParametersProto())
     val = _check(res)
