@@ -306,14 +306,27 @@ def _least_peak(p: IlpProblem, backend: str, deadline: float | None) -> tuple[di
     """The strategies of a plan of least peak, and a proven lower bound on any plan's peak (none and 0 when the
     deadline passes first). Selectors are branched on: one program per combination of their strategies, each
     much faster to solve than the program that mixes them."""
+    from autopar.solver.highs import peak_relaxation
+
     sels = sorted(p.selectors())
     best, bound = None, float("inf")
-    for combo in itertools.product(*(range(p.n_strategies[k]) for k in sels)):
+    # In order of their least fractional peak, each solved only while that bound is below the least peak found
+    # (a combination skipped holds no plan under it: its bound stands for it).
+    order = []
+    for i, combo in enumerate(itertools.product(*(range(p.n_strategies[k]) for k in sels))):
         keep = {k: list(range(n)) for k, n in p.n_strategies.items()}
         keep.update({k: [r] for k, r in zip(sels, combo)})
+        q = dataclasses.replace(restrict(p, keep), memory_limit=None)
         try:
-            r = solve(dataclasses.replace(restrict(p, keep), memory_limit=None), backend=backend, deadline=deadline,
-                      objective="peak")
+            order.append((peak_relaxation(q, _remaining(deadline)), i, keep, q))
+        except (ProgramInfeasible, SolverTimeout):
+            return {}, 0.0
+    for low, _, keep, q in sorted(order, key=lambda o: o[:2]):
+        if best is not None and low >= best[0]:
+            bound = min(bound, low)
+            continue
+        try:
+            r = solve(q, backend=backend, deadline=deadline, objective="peak")
         except (ProgramInfeasible, SolverTimeout):
             return {}, 0.0
         bound = min(bound, r.bound_s)
