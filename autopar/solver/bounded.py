@@ -186,19 +186,13 @@ def _solve(p: IlpProblem, backend: str, deadline: float | None, relative_gap: fl
         # used only when that start is not within half the gap.
         priced = [free] + [pool.submit(_priced_relaxation, p, prices, m, deadline) for m in _MARKUPS if m] \
             if binding else []
-        if known is not None and binding:
-            # From a plan known to fit, the first warm start would only find a plan to start the second from:
-            # one warm start over every support, from that plan.
-            for f in priced:
-                keep = _union(keep, f.result())
-            priced = []
         start = _warm_start(p, keep, backend, deadline, seen, known)
         if start is not None and priced_right is not None and not priced_right(start.choice):
             timings["warm_start_seconds"] = time.perf_counter() - t
             r = dataclasses.replace(start, bound_s=lb, optimal=False)
             r.stats.update(size, status="FEASIBLE", memory_binds=binding, mispriced=True, **timings)
             return Bounded(r, "warm start", False)
-        if priced and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
+        if binding and not _within(start, lb, _HALF_GAP if relative_gap is None else relative_gap / 2):
             for f in priced:
                 keep = _union(keep, f.result())
             # From the first plan: HiGHS starts with an incumbent.
