@@ -91,10 +91,12 @@ def _forget_restricted() -> None:
 # Relaxations with candidate points' memory rows and more columns than this are solved by HiGHS's interior
 # point method (with crossover to a vertex, so the support and the shadow prices are a basic solution's): memory
 # rows take away the network structure dual simplex is quick on. Measured on this project's programs (one core):
-# Qwen2 at hidden 64 on 2x2 at 0.3x its peak (77k columns) 7.2 s against 15.8 s by dual simplex, Llama 6.4
-# against 8.5 s, T5 (246k) 36.6 against 51.6 s; below 40k columns simplex was as fast or faster (GPT-2 at 0.7x:
-# 0.28 against 0.73 s). Without those rows simplex is faster at every size (T5: 4.7 against 13.2 s).
-_IPM_COLUMNS = 50_000
+# Qwen2 at hidden 64 on 2x2 at 0.3x its peak (77k columns) 7.2 s against 15.8 s by dual simplex, the hf Llama
+# 6.4 against 8.5 s (77k), T5 36.6 against 51.6 s (246k); but Llama-3-70B on 8x8 at 0.7x (54k) 4.6 against 1.1 s,
+# GPT-NeoX at 0.5x (57k) 3.4 against 2.2 s, GPT-2 at 0.7x (34k) 0.73 against 0.28 s. Size is a rough guide (the
+# threshold sits between the programs measured); without those rows simplex is faster at every size (T5: 4.7
+# against 13.2 s).
+_IPM_COLUMNS = 70_000
 
 
 def relaxation_highs(p: IlpProblem, remaining: float | None, iteration_limit: int | None = None
