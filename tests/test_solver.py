@@ -615,3 +615,77 @@ def test_a_restricted_program_prices_its_choices_as_the_whole_program(backend):
     assert fitting and len(fitting) < len(choices)  # the memory row binds
     r = solve(q, backend=backend, restricted=True)
     assert r.objective_s == pytest.approx(min(q.objective(c) for c in fitting), rel=1e-6, abs=1e-12)
+
+
+def test_the_least_peak_search_skips_only_combinations_that_cannot_hold_a_smaller_peak(monkeypatch):
+    """bounded._least_peak solves the selectors' combinations in order of their peak relaxation and skips those
+    whose bound is at or above the least peak found: the plan is still of least peak (against enumeration), and
+    over the draws some combination is skipped, each skipped one with a bound at or above that peak."""
+    from autopar.solver import bounded, highs
+
+    rng = random.Random(7)
+    skipped = 0
+    for _ in range(12):
+        p = _linked_problem(rng)
+        keys = sorted(p.n_strategies)
+        least = min(p.memory.usage(dict(zip(keys, v)))
+                    for v in itertools.product(*(range(p.n_strategies[k]) for k in keys)))
+        solved = []
+        real = bounded.solve
+        monkeypatch.setattr(bounded, "solve", lambda q, **kw: solved.append(q) or real(q, **kw))
+        strategies, bound = bounded._least_peak(p, "highs", None)
+        monkeypatch.undo()
+        plan = {k: v[0] for k, v in strategies.items()}
+        assert p.memory.usage(plan) == pytest.approx(least, rel=1e-9)
+        assert bound <= least * (1 + 1e-9)
+        combos = p.n_strategies["sel"]
+        assert 1 <= len(solved) <= combos
+        which = lambda q: tuple(tuple(row) for row in q.links[0].cost)  # the kept variant's link prices
+        solved_sel = {which(q) for q in solved}
+        for r in range(combos):
+            keep = {k: list(range(n)) for k, n in p.n_strategies.items()}
+            keep["sel"] = [r]
+            q = dataclasses.replace(bounded.restrict(p, keep), memory_limit=None)
+            if which(q) not in solved_sel:
+                skipped += 1
+                assert highs.peak_relaxation(q, None) >= least * (1 - 1e-9)
+    assert skipped >= 3
+    # A combination whose bound is below the first plan's peak is solved: under variant 0 key a's two layouts each
+    # put 2 MiB at one of two points (mixed half and half, 1 MiB; any plan, 2 MiB), under variant 1 key b puts
+    # 1.5 MiB at one point whatever the choice. Variant 0 comes first by its bound, and variant 1 holds the least.
+    mib = 2.0**20
+    memory = MemoryRows({}, [("a", [2 * mib, 0.0]), ("a", [0.0, 2 * mib]), ("b", [1.5 * mib])],
+                        [{0: 1.0, 2: 1.0}, {1: 1.0}], [("sel", 0), ("sel", 0), ("sel", 1)])
+    p = IlpProblem({"a": 2, "b": 1, "sel": 2}, {"a": [0.0, 0.0], "b": [0.0], "sel": [0.0, 0.0]}, [], memory,
+                   links=[IlpLink("a", "sel", [[0.0, 0.0], [0.0, 0.0]]), IlpLink("b", "sel", [[0.0, 0.0]])])
+    strategies, bound = bounded._least_peak(p, "highs", None)
+    assert strategies["sel"] == [1] and p.memory.usage({k: v[0] for k, v in strategies.items()}) == 1.5 * mib
+
+
+def test_a_relaxation_over_its_iteration_cap_is_a_time_out_and_the_interior_point_method_agrees(monkeypatch):
+    """relaxation_highs with an iteration cap (a quiet alternative's) raises SolverTimeout where the dual simplex
+    needs more, and solves as without one where it does not; above highs._IPM_COLUMNS a relaxation with memory
+    rows goes to the interior point method, whose optimum is the dual simplex's, its solution a vertex."""
+    from autopar.errors import SolverTimeout
+    from autopar.solver import highs
+
+    rng = random.Random(3)
+    capped = 0
+    for _ in range(10):
+        p = _buffered_problem(rng)
+        try:
+            lb, x, size = highs.relaxation_highs(p, None)
+        except ProgramInfeasible:
+            continue
+        assert size["iterations"] >= 0
+        if size["iterations"] > 1:
+            with pytest.raises(SolverTimeout):
+                highs.relaxation_highs(p, None, iteration_limit=1)
+            capped += 1
+        assert highs.relaxation_highs(p, None, iteration_limit=size["iterations"] + 1000)[0] == pytest.approx(lb)
+        monkeypatch.setattr(highs, "_IPM_COLUMNS", 0)
+        ipm, xi, sized = highs.relaxation_highs(p, None)
+        monkeypatch.undo()
+        assert ipm == pytest.approx(lb, rel=1e-6, abs=1e-12)
+        assert all(sum(v) == pytest.approx(1.0, abs=1e-6) for v in xi.values())
+    assert capped >= 3
