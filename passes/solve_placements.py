@@ -701,7 +701,6 @@ def _smallest(ctx: PassContext) -> tuple[float, dict[str, str], dict[str, int]]:
     found, with the plan's own gradient buffers; its variants; its plan). InfeasibleMemoryError where the time
     limit runs out first."""
     from autopar.solver import solve
-
     from autopar.solver.highs import peak_relaxation
 
     def timed_out() -> InfeasibleMemoryError:

@@ -107,7 +107,7 @@ def solve_bounded(p: IlpProblem, *, backend: str, deadline: float | None, relati
     # A quiet program's relaxation is given a few times the simplex iterations the program's own took (where
     # simplex solved it): a plan the step simulator may prefer, not one that must be found (GPT-2 at hidden 64 on
     # 2x2 at 0.7x its peak: 68,816 iterations and 12.6 s against the program's 3,556).
-    iterations = out.result.stats.get("iterations") or 0
+    iterations = 0 if out.result.stats.get("barrier_iterations") else out.result.stats.get("iterations") or 0
     cap = _QUIET_ITERATIONS * iterations + _QUIET_ITERATIONS_MIN if iterations else None
     again = costly and not out.timed_out and not out.result.stats.get("mispriced")
     for quiet in dict.fromkeys([frozenset(costly[:1]), frozenset(costly)]) if again else ():

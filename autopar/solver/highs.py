@@ -103,7 +103,7 @@ def relaxation_highs(p: IlpProblem, remaining: float | None, iteration_limit: in
                      ) -> tuple[float, dict[str, list[float]], dict]:
     """The relaxation: (its optimum in seconds, a lower bound on the program's; x per key; the program's size).
     With memory rows, size["memory_prices"] holds each candidate point's shadow price (seconds per byte), and
-    size["iterations"] the simplex iterations it took (0 by the interior point method). With
+    size["iterations"] and size["barrier_iterations"] the simplex and interior point iterations it took. With
     `iteration_limit` (simplex iterations), a relaxation not solved within them raises SolverTimeout (a
     deterministic cap, unlike a time limit), and is solved by dual simplex at any size."""
     t0 = time.perf_counter()
@@ -127,7 +127,9 @@ def relaxation_highs(p: IlpProblem, remaining: float | None, iteration_limit: in
     # The point rows come last (_model); a binding <= row of a minimization has a dual <= 0.
     prices = [max(-dual.get(r, 0.0), 0.0) * SECONDS_PER_HIGHS_TIME_UNIT / BYTES_PER_HIGHS_MEMORY_UNIT
               for r in range(rows - n_points, rows)]
-    size = {"memory_prices": prices, "iterations": res.solve_stats.simplex_iterations, "variables": prog.n_cols, "keys": len(prog.x), "edge_variables": prog.n_edge_vars,
+    size = {"memory_prices": prices, "iterations": res.solve_stats.simplex_iterations, "variables": prog.n_cols,
+            "barrier_iterations": res.solve_stats.barrier_iterations, "keys": len(prog.x),
+            "edge_variables": prog.n_edge_vars,
             "constraints": len(proto.linear_constraints.ids), "memory_points": len(prog.points),
             "build_seconds": t1 - t0, "solve_seconds": time.perf_counter() - t1}
     return res.termination.objective_bounds.dual_bound * SECONDS_PER_HIGHS_TIME_UNIT, x, size
