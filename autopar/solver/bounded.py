@@ -322,8 +322,7 @@ def _least_peak(p: IlpProblem, backend: str, deadline: float | None) -> tuple[di
         except (ProgramInfeasible, SolverTimeout):
             return {}, 0.0
     for low, _, keep, q in sorted(order, key=lambda o: o[:2]):
-        if best is not None and low >= best[0]:
-            bound = min(bound, low)
+        if best is not None and low >= best[0]:  # at or above a plan found: `bound` is already below it
             continue
         try:
             r = solve(q, backend=backend, deadline=deadline, objective="peak")

@@ -7,6 +7,7 @@ mode that sees every storage an op makes and a weak reference that tells when it
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from autopar import _torch_compat as compat
@@ -31,7 +32,6 @@ class LiveStorages:
     def __init__(self, tensors=()):
         self._live: dict[int, int] = {}
         self.total = self.peak = 0
-        self._refs: list = []
         base = compat.dispatch_mode_base()
         outer = self
 
@@ -48,8 +48,6 @@ class LiveStorages:
         self.start = self.total
 
     def _see(self, t: Any) -> None:
-        import weakref
-
         import torch
 
         if not isinstance(t, torch.Tensor):
@@ -62,7 +60,7 @@ class LiveStorages:
             self._live[key] = st.nbytes()
             self.total += st.nbytes()
             self.peak = max(self.peak, self.total)
-            self._refs.append(weakref.finalize(st, self._free, key))
+            weakref.finalize(st, self._free, key)  # kept alive by weakref's own registry
 
     def _free(self, key: int) -> None:
         self.total -= self._live.pop(key, 0)
